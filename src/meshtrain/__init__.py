@@ -1,0 +1,1 @@
+"""meshtrain: a config-driven training launcher for JAX language models."""

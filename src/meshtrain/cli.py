@@ -1,0 +1,97 @@
+"""Command-line entry: Hydra composes the config, bad input becomes one line and exit code 2.
+
+Hydra reports its own composition errors (unknown keys, wrong types) as several lines and exit
+code 1; we ask it to raise them instead and print one line that names the key and the fix.
+`HYDRA_FULL_ERROR=1` (or `MESHTRAIN_DEBUG=1`) shows the full traceback instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from meshtrain.config import register_configs, to_config
+from meshtrain.errors import ConfigError
+
+EXIT_CONFIG_ERROR = 2
+# Read once at import, before main() sets HYDRA_FULL_ERROR for its own use.
+_USER_WANTS_TRACEBACK = "1" in (
+    os.environ.get("HYDRA_FULL_ERROR"),
+    os.environ.get("MESHTRAIN_DEBUG"),
+)
+
+
+def _wants_traceback() -> bool:
+    return _USER_WANTS_TRACEBACK
+
+
+def _fail(message: str) -> None:
+    print(f"meshtrain: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_CONFIG_ERROR)
+
+
+def describe_config_error(err: BaseException) -> str:
+    """One line for a Hydra/OmegaConf composition error, naming the key and what to do."""
+    cause = err
+    while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__
+    if isinstance(cause, OmegaConfBaseException):
+        key = getattr(cause, "full_key", None) or "?"
+        detail = str(getattr(cause, "msg", "") or cause).splitlines()[0]
+        if "not in struct" in detail or ("Key '" in detail and "not" in detail):
+            return (
+                f"unknown config key '{key}'; check the spelling, or list the keys with "
+                "`python run_training.py --cfg job`"
+            )
+        return (
+            f"bad value for '{key}': {detail}; see `python run_training.py --cfg job` for its type"
+        )
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "Could not override" in first or "Could not append" in first:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        return " ".join(lines[:3])
+    return first
+
+
+def train_from_hydra(cfg: DictConfig) -> None:
+    """The Hydra task: typed config → training run in Hydra's output directory."""
+    # Imported here so `--help` and `--cfg job` answer without starting JAX.
+    from meshtrain.train.loop import train
+
+    try:
+        config = to_config(cfg)
+        train(config, Path(HydraConfig.get().runtime.output_dir))
+    except ConfigError as err:
+        if _wants_traceback():
+            raise
+        _fail(str(err))
+
+
+def make_main(config_dir: Path) -> Callable[[], None]:
+    """The `main()` of run_training.py, reading configs from `config_dir`."""
+    register_configs()
+    hydra_main = hydra.main(
+        config_path=str(config_dir.resolve()), config_name="config", version_base="1.3"
+    )(train_from_hydra)
+
+    def main() -> None:
+        if _wants_traceback():
+            hydra_main()
+            return
+        os.environ["HYDRA_FULL_ERROR"] = "1"  # let composition errors reach us instead of exit 1
+        try:
+            hydra_main()
+        except (HydraException, OmegaConfBaseException) as err:
+            _fail(describe_config_error(err))
+        finally:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+
+    return main

@@ -1,0 +1,153 @@
+"""Typed configuration schemas, registered in Hydra's ConfigStore, and their conversion.
+
+Every field has a type, a default and a one-line docstring (the string literal under it).
+The YAML files in configs/ fill these schemas; `tests/test_config.py` checks that both agree.
+Validation that needs no devices lives in `meshtrain.validate`; mesh checks live in `meshtrain.mesh`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+# Logical axis name → mesh axes (None: replicated). Megatron-style: heads and the MLP hidden
+# size on tp, the model dimension on fsdp, the batch on every batch-sharding axis.
+DEFAULT_LOGICAL_AXIS_RULES: dict[str, Any] = {
+    "batch": ["dp", "fsdp"],
+    "length": None,
+    "embed": "fsdp",
+    "vocab": "tp",
+    "heads": "tp",
+    "kv_heads": "tp",
+    "head_dim": None,
+    "mlp": "tp",
+    "norm": None,
+    "layers": None,
+}
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """Name of the model flavour, used in logs and run directories."""
+    mesh_shape: list[Any] = field(default_factory=lambda: [[1, 1], ["fsdp", "tp"]])
+    """[[sizes...], [axis names...]]: device mesh; axes are fsdp, tp and dp; one size may be -1."""
+    logical_axis_rules: dict[str, Any] = field(
+        default_factory=lambda: dict(DEFAULT_LOGICAL_AXIS_RULES)
+    )
+    """Logical axis name → mesh axis, list of mesh axes, or null (replicated)."""
+    vocab_size: int = 384
+    """Rows of the embedding table; at least the tokenizer's vocabulary, padded for tp."""
+    d_model: int = 128
+    """Width of the residual stream (the `embed` axis)."""
+    num_layers: int = 2
+    """Number of transformer blocks."""
+    num_heads: int = 16
+    """Query heads per attention layer."""
+    num_kv_heads: int = 8
+    """Key/value heads (grouped-query attention); must divide num_heads."""
+    head_dim: int = 16
+    """Width of one attention head."""
+    mlp_dim: int = 512
+    """Hidden width of the gated MLP (the `mlp` axis)."""
+    mlp_activation: str = "silu"
+    """Activation of the gated MLP: silu (SwiGLU) or gelu (GeGLU)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+    norm_eps: float = 1e-6
+    """Epsilon inside RMSNorm."""
+    tie_embeddings: bool = True
+    """Reuse the token embedding as the output projection."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialiser for weight matrices."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "text_files"
+    """Where sequences come from: text_files (local documents) or synthetic (random tokens)."""
+    path: str | None = None
+    """Directory of text documents; null means the Python standard library's own source."""
+    glob: str = "**/*.py"
+    """Pattern, relative to `path`, of the documents to read."""
+    tokenizer: str = "byte"
+    """Tokenizer: byte (256 byte values plus pad, bos and eos)."""
+    seq_len: int = 128
+    """Tokens per training sequence (each example holds seq_len + 1 tokens: inputs and shifted targets)."""
+    validation_fraction: float = 0.05
+    """Share of documents held out for validation (chosen deterministically by path)."""
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 200
+    """Number of optimizer updates."""
+    micro_batch_size: int = 8
+    """Sequences per batch shard (per device along dp×fsdp) per micro-batch."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches accumulated (a lax.scan) into one update."""
+    global_batch_size: int | None = None
+    """If set, sequences per update; micro_batch_size is then derived from it and the mesh."""
+    learning_rate: float = 3e-3
+    """Peak learning rate reached after warmup."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 to learning_rate over this many updates."""
+    lr_schedule: str = "cosine"
+    """After warmup: cosine (decay to min_lr_ratio × peak at the last step) or constant."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine schedule, as a fraction of the peak."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to norms)."""
+    adam_b1: float = 0.9
+    """AdamW first-moment decay."""
+    adam_b2: float = 0.95
+    """AdamW second-moment decay."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip gradients to this global norm; 0 disables clipping."""
+    mixed_precision: str = "fp32"
+    """Compute dtype: fp32, or bf16 (bf16 matmuls, fp32 master weights and optimizer state)."""
+    seed: int = 0
+    """Seed for parameter init and data order; same seed, same losses on any mesh."""
+    log_every: int = 10
+    """Log metrics every this many updates (and at the last one)."""
+    eval_every: int = 100
+    """Evaluate on the held-out split every this many updates (and at the end); 0 disables."""
+    eval_batches: int = 4
+    """Global batches averaged for one validation loss."""
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "default"
+    """Experiment name: the first folder under outputs/."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+
+
+def register_configs() -> None:
+    """Registers the schemas so that configs/*.yaml are type-checked against them."""
+    store = ConfigStore.instance()
+    store.store(name="config_schema", node=Config)
+    store.store(group="model", name="model_schema", node=ModelConfig)
+    store.store(group="data", name="data_schema", node=DataConfig)
+    store.store(group="training", name="training_schema", node=TrainingConfig)
+    store.store(group="experiment", name="experiment_schema", node=ExperimentConfig)
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Converts a composed Hydra config into typed dataclasses."""
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, Config):
+        obj = Config(**{k: v for k, v in obj.items() if k in Config.__dataclass_fields__})
+    return obj

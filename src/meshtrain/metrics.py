@@ -1,0 +1,195 @@
+"""Metric sinks for a run: train.log, console log and progress line, metrics.jsonl, TensorBoard.
+
+Only process 0 writes anything; other processes log warnings and errors to the console.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+
+from tensorboardX import SummaryWriter
+
+logger = logging.getLogger(__name__)
+
+_ROOT_LOGGER = "meshtrain"
+_CONSOLE_HANDLER = "meshtrain-console"
+_FILE_HANDLER = "meshtrain-file"
+_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+# Metric name → (label, format) in the log line; names not listed use `_default_display`.
+_DISPLAY: dict[str, tuple[str, str]] = {
+    "learning_rate": ("lr", "{:.2e}"),
+    "grad_norm": ("grad_norm", "{:.2f}"),
+    "tokens_per_sec": ("tokens/s", "{:,.0f}"),
+    "step_time_s": ("step_time", "{:.3f}s"),
+}
+_BAR_WIDTH = 20
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """Console handler that owns the progress line, so log lines never land in the middle of it."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stdout)
+        self.tty = self.stream.isatty()
+        self._progress = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._progress:
+            self.stream.write("\r\x1b[K")
+        super().emit(record)
+        if self._progress:
+            self.stream.write(self._progress)
+            self.flush()
+
+    def show_progress(self, text: str) -> None:
+        # A redrawn line that wraps could not be erased by "\r", so it must fit the terminal.
+        if not self.tty:
+            return
+        with self.lock:
+            self._progress = text[: shutil.get_terminal_size().columns - 1]
+            self.stream.write("\r\x1b[K" + self._progress)
+            self.flush()
+
+    def finish_progress(self) -> None:
+        # Keep the last progress line on screen and move below it.
+        with self.lock:
+            if self._progress:
+                self.stream.write("\n")
+                self.flush()
+            self._progress = ""
+
+
+def setup_logging(run_dir: Path | None, *, is_main: bool, level: int = logging.INFO) -> None:
+    """Send the "meshtrain" loggers to the console and, on process 0, to run_dir/train.log.
+
+    Replaces the handlers of a previous call, so repeated runs in one process (Hydra multirun,
+    tests) neither duplicate console lines nor keep writing into an earlier run's train.log.
+    """
+    root = logging.getLogger(_ROOT_LOGGER)
+    for handler in list(root.handlers):
+        if handler.name in (_CONSOLE_HANDLER, _FILE_HANDLER):
+            root.removeHandler(handler)
+            handler.close()
+    root.setLevel(level if is_main else max(level, logging.WARNING))
+    # Hydra's handlers on the root logger would print every line a second time.
+    root.propagate = False
+
+    console = _ConsoleHandler()
+    console.name = _CONSOLE_HANDLER
+    console.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
+    root.addHandler(console)
+    if is_main and run_dir is not None:
+        file = logging.FileHandler(Path(run_dir) / "train.log", encoding="utf-8")
+        file.name = _FILE_HANDLER
+        file.setFormatter(logging.Formatter(_FORMAT))
+        root.addHandler(file)
+
+
+def format_eta(seconds: float) -> str:
+    """Format a duration as "45s", "1m23s" or "2h03m"."""
+    total = round(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+def _format_metric(name: str, value: float) -> str:
+    label, fmt = _DISPLAY.get(name) or (name, "{:.4f}" if name.endswith("loss") else "{:.4g}")
+    return f"{label}={fmt.format(value)}"
+
+
+def _console_handler() -> _ConsoleHandler | None:
+    for handler in logging.getLogger(_ROOT_LOGGER).handlers:
+        if isinstance(handler, _ConsoleHandler):
+            return handler
+    return None
+
+
+class MetricsWriter:
+    """Writes each logged step to metrics.jsonl, TensorBoard, the log and the progress line."""
+
+    def __init__(
+        self, run_dir: Path, *, total_steps: int, is_main: bool, start_step: int = 0
+    ) -> None:
+        self.total_steps = total_steps
+        self.is_main = is_main
+        self._start_step = start_step
+        self._created = time.monotonic()
+        self._first: tuple[float, int] | None = None
+        if not is_main:
+            return
+        run_dir = Path(run_dir)
+        # Append: a resumed run in the same directory keeps the lines of the earlier attempt.
+        self._jsonl = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        self._tb = SummaryWriter(logdir=str(run_dir))
+        self._closed = False
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        if not self.is_main:
+            return
+        values = {name: float(value) for name, value in metrics.items()}
+        self._jsonl.write(json.dumps({"step": int(step), **values}) + "\n")
+        self._jsonl.flush()
+        for name, value in values.items():
+            tag = f"val/{name[4:]}" if name.startswith("val_") else f"train/{name}"
+            self._tb.add_scalar(tag, value, global_step=step)
+
+        eta = self._eta(step)
+        shown = " ".join(_format_metric(name, value) for name, value in values.items())
+        logger.info("step %d/%d %s eta=%s", step, self.total_steps, shown, eta)
+
+        console = _console_handler()
+        if console is not None:
+            filled = min(_BAR_WIDTH, _BAR_WIDTH * step // max(self.total_steps, 1))
+            brief = " ".join(
+                _format_metric(name, values[name])
+                for name in ("loss", "tokens_per_sec")
+                if name in values
+            )
+            bar = "#" * filled + "-" * (_BAR_WIDTH - filled)
+            console.show_progress(f"[{bar}] {step}/{self.total_steps} {brief} eta={eta}")
+
+    def _eta(self, step: int) -> str:
+        now = time.monotonic()
+        if self._first is None:
+            # Only estimate until a second write: it includes start-up and JIT compile time.
+            self._first = (now, step)
+            since, done = self._created, step - self._start_step
+        else:
+            since, done = self._first[0], step - self._first[1]
+        if done <= 0 or now <= since:
+            return "?"
+        return format_eta((now - since) / done * max(self.total_steps - step, 0))
+
+    def close(self) -> None:
+        if not self.is_main or self._closed:
+            return
+        self._closed = True
+        console = _console_handler()
+        if console is not None:
+            console.finish_progress()
+        self._tb.close()
+        self._jsonl.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

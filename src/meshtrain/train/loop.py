@@ -1,0 +1,234 @@
+"""The training run: validate → mesh → sharded state → data → loop, wiring the metric sinks.
+
+This is the only module that knows about every other one; it reads top to bottom like the
+diagram in DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from meshtrain.config import Config
+from meshtrain.data import BatchIterator, TokenDataset, build_dataset, validation_batches
+from meshtrain.errors import ConfigError
+from meshtrain.mesh import MeshSpec, build_mesh, format_mesh_shape, parse_mesh_shape
+from meshtrain.metrics import MetricsWriter, setup_logging
+from meshtrain.sharding import logical_to_spec
+from meshtrain.train.batch import process_rows, to_global_array
+from meshtrain.train.optimizer import build_optimizer, learning_rate_schedule
+from meshtrain.train.state import (
+    ModelPlan,
+    TrainState,
+    create_train_state,
+    plan_model,
+    state_shardings,
+)
+from meshtrain.train.step import make_eval_step, make_train_step
+from meshtrain.validate import check_against_mesh, check_config, micro_batch_size
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Setup:
+    """Everything decided at start-up, before any compile or allocation."""
+
+    cfg: Config
+    mesh_spec: MeshSpec
+    mesh: Mesh
+    plan: ModelPlan
+    micro_batch_size: int
+    train_data: TokenDataset
+    validation_data: TokenDataset | None
+
+    @property
+    def batch_shards(self) -> int:
+        return self.mesh.shape["dp"] * self.mesh.shape["fsdp"]
+
+    @property
+    def micro_global(self) -> int:
+        """Sequences per micro-batch over the whole mesh."""
+        return self.micro_batch_size * self.batch_shards
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_global * self.cfg.training.gradient_accumulation_steps
+
+
+@dataclass
+class RunResult:
+    """What a finished run hands back to callers and tests."""
+
+    history: list[dict[str, float]]  # one entry per logged step
+    state: TrainState
+    setup: Setup
+
+
+def _build_data(cfg: Config, split: str) -> TokenDataset:
+    try:
+        return build_dataset(cfg.data, split=split, vocab_size=cfg.model.vocab_size)
+    except ValueError as err:  # the data modules name the key and the fix
+        raise ConfigError(str(err)) from None
+
+
+def prepare(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Setup:
+    """All start-up checks; raises ConfigError before anything is compiled or allocated."""
+    check_config(cfg)
+    devices = list(devices) if devices is not None else jax.devices()
+    mesh_spec = parse_mesh_shape(cfg.model.mesh_shape, len(devices))
+    check_against_mesh(cfg, mesh_spec)
+    mesh = build_mesh(mesh_spec, devices)
+    plan = plan_model(cfg.model, mesh, mesh_spec)  # shapes only: eval_shape allocates nothing
+    train_data = _build_data(cfg, "train")
+    if len(train_data) == 0:
+        raise ConfigError(
+            f"data.path={cfg.data.path!r} with data.glob={cfg.data.glob!r} gave no training sequences"
+        )
+    validation_data = _build_data(cfg, "validation") if cfg.training.eval_every else None
+    if validation_data is not None and len(validation_data) == 0:
+        validation_data = None
+    return Setup(
+        cfg, mesh_spec, mesh, plan, micro_batch_size(cfg, mesh_spec), train_data, validation_data
+    )
+
+
+def _describe(setup: Setup) -> None:
+    cfg = setup.cfg
+    num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(setup.plan.abstract_params))
+    sizes = [setup.mesh_spec.sizes[a] for a in setup.mesh.axis_names]
+    log.info(
+        "mesh %s on %d %s device(s), %d process(es)",
+        format_mesh_shape(sizes, setup.mesh.axis_names),
+        setup.mesh.size,
+        setup.mesh.devices.flat[0].platform,
+        jax.process_count(),
+    )
+    log.info("model %s: %s parameters", cfg.model.name, f"{num_params:,}")
+    log.info(
+        "global batch %d sequences × %d tokens (micro_batch_size %d × %d batch shards × %d accumulation steps)",
+        setup.global_batch,
+        cfg.data.seq_len,
+        setup.micro_batch_size,
+        setup.batch_shards,
+        cfg.training.gradient_accumulation_steps,
+    )
+    log.info("data: %d training sequences (%s)", len(setup.train_data), cfg.data.source)
+
+
+def _evaluate(eval_step, params: Any, batches: list[jax.Array]) -> float:
+    sums = [eval_step(params, batch) for batch in batches]
+    loss_sum, count = np.sum(np.asarray(jax.device_get(sums), dtype=np.float64), axis=0)
+    return float(loss_sum / max(count, 1.0))
+
+
+def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = None) -> RunResult:
+    """Runs a whole training job and writes its logs and metrics into `run_dir`."""
+    setup = prepare(cfg, devices)
+    is_main = jax.process_index() == 0
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(run_dir, is_main=is_main)
+    _describe(setup)
+    training = cfg.training
+    mesh = setup.mesh
+
+    with jax.set_mesh(mesh):
+        tx = build_optimizer(training)
+        shardings = state_shardings(setup.plan, tx, mesh)
+        state = create_train_state(cfg.model, setup.plan, tx, shardings, training.seed)
+
+        rules = cfg.model.logical_axis_rules
+        batch_shape = (
+            training.gradient_accumulation_steps,
+            setup.micro_global,
+            cfg.data.seq_len + 1,
+        )
+        batch_sharding = NamedSharding(mesh, logical_to_spec((None, "batch", None), rules))
+        train_step = make_train_step(
+            setup.plan,
+            tx,
+            learning_rate_schedule(training),
+            state_shardings=shardings,
+            batch_sharding=batch_sharding,
+            pad_id=setup.train_data.pad_id,
+            mixed_precision=training.mixed_precision,
+        )
+        batches = BatchIterator(
+            setup.train_data,
+            global_batch=setup.global_batch,
+            accum_steps=training.gradient_accumulation_steps,
+            rows=process_rows(batch_sharding, batch_shape, axis=1),
+            seed=training.seed,
+        )
+        evaluate = _make_evaluator(setup, shardings)
+
+        history: list[dict[str, float]] = []
+        tokens_per_step = setup.global_batch * cfg.data.seq_len
+        with MetricsWriter(run_dir, total_steps=training.steps, is_main=is_main) as writer:
+            interval_start, interval_step = time.perf_counter(), 0
+            for step in range(1, training.steps + 1):
+                state, metrics = train_step(
+                    state, to_global_array(next(batches), batch_sharding, batch_shape)
+                )
+                is_last = step == training.steps
+                eval_now = evaluate is not None and (is_last or step % training.eval_every == 0)
+                if not (step == 1 or step % training.log_every == 0 or is_last or eval_now):
+                    continue
+                fetched = jax.device_get(metrics)
+                values = {k: float(fetched[k]) for k in ("loss", "learning_rate", "grad_norm")}
+                # Fetching the metrics waited for the step, so this interval is real device time.
+                # Step 1 is its own interval: it includes compilation, the others do not.
+                now = time.perf_counter()
+                values["step_time_s"] = (now - interval_start) / (step - interval_step)
+                values["tokens_per_sec"] = tokens_per_step / values["step_time_s"]
+                interval_start, interval_step = now, step
+                if eval_now:
+                    values["val_loss"] = evaluate(state.params)
+                    interval_start = time.perf_counter()  # evaluation time is not step time
+                history.append({"step": step, **values})
+                writer.write(step, values)
+    log.info("finished %d steps in %s", training.steps, run_dir)
+    return RunResult(history=history, state=state, setup=setup)
+
+
+def _make_evaluator(setup: Setup, shardings: TrainState):
+    """A function params → mean validation loss over fixed batches, or None when eval is off."""
+    cfg = setup.cfg
+    if setup.validation_data is None:
+        return None
+    eval_shape = (setup.micro_global, cfg.data.seq_len + 1)
+    eval_sharding = NamedSharding(
+        setup.mesh, logical_to_spec(("batch", None), cfg.model.logical_axis_rules)
+    )
+    local = validation_batches(
+        setup.validation_data,
+        global_batch=setup.micro_global,
+        num_batches=cfg.training.eval_batches,
+        rows=process_rows(eval_sharding, eval_shape, axis=0),
+    )
+    device_batches = [to_global_array(b, eval_sharding, eval_shape) for b in local]
+    eval_step = make_eval_step(
+        setup.plan,
+        param_shardings=shardings.params,
+        batch_sharding=eval_sharding,
+        pad_id=setup.validation_data.pad_id,
+        mixed_precision=cfg.training.mixed_precision,
+    )
+    return lambda params: _evaluate(eval_step, params, device_batches)
+
+
+def with_overrides(cfg: Config, **sections: dict[str, Any]) -> Config:
+    """A copy of cfg with some fields replaced, e.g. with_overrides(cfg, training={"steps": 5})."""
+    return replace(
+        cfg, **{name: replace(getattr(cfg, name), **fields) for name, fields in sections.items()}
+    )

@@ -1,0 +1,87 @@
+"""The train state, created directly in its shardings: no full copy on one device or the host."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshtrain.config import ModelConfig
+from meshtrain.mesh import MeshSpec
+from meshtrain.models.transformer import Transformer
+from meshtrain.sharding import check_divisible, named_shardings, param_specs
+
+
+@struct.dataclass
+class TrainState:
+    """Everything an update changes. `params` is a nested dict of fp32 arrays (the nnx.Param
+    values of the model); `step` counts the updates applied so far."""
+
+    step: jax.Array  # int32 []
+    params: Any
+    opt_state: optax.OptState
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """The model's structure and where each array lives, known before anything is allocated."""
+
+    graphdef: nnx.GraphDef
+    abstract_state: nnx.State  # nnx.Param variables holding ShapeDtypeStructs
+    abstract_params: Any  # the same as a nested dict of ShapeDtypeStruct
+    param_shardings: Any  # nested dict of NamedSharding
+
+
+def plan_model(cfg: ModelConfig, mesh: Mesh, mesh_spec: MeshSpec) -> ModelPlan:
+    """Abstract init (shapes only) plus the logical rules → shardings; checks even division."""
+    abstract_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract_model, nnx.Param)
+    specs = param_specs(abstract_state, cfg.logical_axis_rules).to_pure_dict()
+    abstract_params = abstract_state.to_pure_dict()
+    check_divisible(abstract_params, specs, mesh_spec)
+    return ModelPlan(graphdef, abstract_state, abstract_params, named_shardings(specs, mesh))
+
+
+def merge_model(plan: ModelPlan, params: Any) -> Transformer:
+    """The nnx module whose parameters are `params` (a nested dict of arrays; usable inside jit)."""
+    state = jax.tree.map(lambda leaf: leaf, plan.abstract_state)  # a fresh copy to fill in
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(plan.graphdef, state)
+
+
+def state_shardings(plan: ModelPlan, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
+    """Shardings of the whole train state: Adam's moments follow their parameters."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract_opt_state = jax.eval_shape(tx.init, plan.abstract_params)
+    opt_shardings = optax.tree_map_params(
+        tx,
+        lambda _, sharding: sharding,
+        abstract_opt_state,
+        plan.param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    return TrainState(step=replicated, params=plan.param_shardings, opt_state=opt_shardings)
+
+
+def create_train_state(
+    cfg: ModelConfig,
+    plan: ModelPlan,
+    tx: optax.GradientTransformation,
+    shardings: TrainState,
+    seed: int,
+) -> TrainState:
+    """Initialises parameters and optimizer state inside one jit whose outputs are sharded, so
+    each device only ever materialises its own shards. The random values do not depend on the
+    mesh (jax's partitionable threefry), which keeps losses identical across mesh shapes."""
+
+    def init() -> TrainState:
+        model = Transformer(cfg, rngs=nnx.Rngs(seed))
+        params = nnx.state(model, nnx.Param).to_pure_dict()
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    return jax.jit(init, out_shardings=shardings)()

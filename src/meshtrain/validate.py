@@ -1,0 +1,154 @@
+"""Start-up checks of the whole config, before anything is compiled, allocated or written.
+
+`check_config` needs no devices; `check_against_mesh` runs once the mesh shape is resolved.
+Each failure is a ConfigError whose one line names the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from meshtrain.config import Config
+from meshtrain.errors import ConfigError
+from meshtrain.mesh import MeshSpec
+from meshtrain.models.transformer import ACTIVATIONS
+from meshtrain.sharding import check_rules, mesh_axes_for
+from meshtrain.train.optimizer import LR_SCHEDULES
+from meshtrain.train.step import COMPUTE_DTYPES
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(key: str, value: str, choices: tuple[str, ...]) -> None:
+    _require(
+        value in choices, f"{key}={value!r} is not supported; use one of: {', '.join(choices)}"
+    )
+
+
+def _positive(key: str, value: int | float) -> None:
+    _require(value > 0, f"{key}={value} must be positive")
+
+
+def check_config(cfg: Config) -> None:
+    model, data, training = cfg.model, cfg.data, cfg.training
+    for key in (
+        "vocab_size",
+        "d_model",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "mlp_dim",
+    ):
+        _positive(f"model.{key}", getattr(model, key))
+    _require(
+        model.num_heads % model.num_kv_heads == 0,
+        f"model.num_kv_heads={model.num_kv_heads} does not divide model.num_heads={model.num_heads}; "
+        "grouped-query attention shares each key/value head among a whole number of query heads",
+    )
+    _require(
+        model.head_dim % 2 == 0,
+        f"model.head_dim={model.head_dim} must be even for rotary embeddings",
+    )
+    _one_of("model.mlp_activation", model.mlp_activation, ACTIVATIONS)
+    _positive("model.rope_theta", model.rope_theta)
+    check_rules(model.logical_axis_rules)
+
+    # data.source and data.tokenizer are checked where they are built (meshtrain.data).
+    _positive("data.seq_len", data.seq_len)
+    _require(
+        0.0 <= data.validation_fraction < 1.0,
+        f"data.validation_fraction={data.validation_fraction} must be in [0, 1), e.g. 0.05",
+    )
+
+    for key in (
+        "steps",
+        "micro_batch_size",
+        "gradient_accumulation_steps",
+        "log_every",
+        "eval_batches",
+    ):
+        _positive(f"training.{key}", getattr(training, key))
+    _positive("training.learning_rate", training.learning_rate)
+    _one_of("training.lr_schedule", training.lr_schedule, LR_SCHEDULES)
+    _one_of("training.mixed_precision", training.mixed_precision, tuple(COMPUTE_DTYPES))
+    _require(
+        training.warmup_steps >= 0, f"training.warmup_steps={training.warmup_steps} must be >= 0"
+    )
+    _require(
+        training.warmup_steps <= training.steps,
+        f"training.warmup_steps={training.warmup_steps} is more than training.steps={training.steps}; "
+        f"use training.warmup_steps={training.steps // 10} or fewer",
+    )
+    _require(
+        0.0 <= training.min_lr_ratio <= 1.0,
+        f"training.min_lr_ratio={training.min_lr_ratio} must be in [0, 1]",
+    )
+    _require(
+        training.weight_decay >= 0, f"training.weight_decay={training.weight_decay} must be >= 0"
+    )
+    _require(
+        training.grad_clip >= 0,
+        f"training.grad_clip={training.grad_clip} must be >= 0 (0 disables clipping)",
+    )
+    _require(
+        training.eval_every >= 0,
+        f"training.eval_every={training.eval_every} must be >= 0 (0 disables eval)",
+    )
+    if training.global_batch_size is not None:
+        _positive("training.global_batch_size", training.global_batch_size)
+
+
+def _divisors_of_all(values: list[int]) -> list[int]:
+    return [d for d in range(1, min(values) + 1) if all(v % d == 0 for v in values)]
+
+
+def check_against_mesh(cfg: Config, mesh: MeshSpec) -> None:
+    """Model dimensions and batch sizes divide over the mesh axes that shard them."""
+    model, rules = cfg.model, cfg.model.logical_axis_rules
+    tp_dims = {
+        "num_heads": (model.num_heads, "heads"),
+        "num_kv_heads": (model.num_kv_heads, "kv_heads"),
+        "mlp_dim": (model.mlp_dim, "mlp"),
+        "vocab_size": (model.vocab_size, "vocab"),
+    }
+    for key, (dim, logical) in tp_dims.items():
+        axes = mesh_axes_for(logical, rules)
+        shards = mesh.size(*axes)
+        if dim % shards:
+            names = "×".join(axes)
+            sharded = [d for d, lg in tp_dims.values() if mesh_axes_for(lg, rules) == axes]
+            options = ", ".join(str(d) for d in _divisors_of_all(sharded))
+            raise ConfigError(
+                f"{names}={shards} in model.mesh_shape does not divide model.{key}={dim}; "
+                f"use {names} in {{{options}}} (divisors of "
+                + ", ".join(
+                    f"model.{k}={d}"
+                    for k, (d, lg) in tp_dims.items()
+                    if mesh_axes_for(lg, rules) == axes
+                )
+                + ")"
+            )
+
+    training = cfg.training
+    batch_axes = mesh_axes_for("batch", rules)
+    shards = mesh.size(*batch_axes)
+    if training.global_batch_size is not None:
+        per_update = shards * training.gradient_accumulation_steps
+        if training.global_batch_size % per_update:
+            raise ConfigError(
+                f"training.global_batch_size={training.global_batch_size} is not divisible by the "
+                f"batch shards ({'×'.join(batch_axes)}={shards}) × "
+                f"training.gradient_accumulation_steps={training.gradient_accumulation_steps} = {per_update}; "
+                f"use a multiple of {per_update}, e.g. {per_update * max(1, training.global_batch_size // per_update)}"
+            )
+
+
+def micro_batch_size(cfg: Config, mesh: MeshSpec) -> int:
+    """Sequences per batch shard per micro-batch (derived when training.global_batch_size is set)."""
+    training = cfg.training
+    if training.global_batch_size is None:
+        return training.micro_batch_size
+    shards = mesh.size(*mesh_axes_for("batch", cfg.model.logical_axis_rules))
+    return training.global_batch_size // (shards * training.gradient_accumulation_steps)
