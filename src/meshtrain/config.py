@@ -136,13 +136,8 @@ class Config:
 
 
 def register_configs() -> None:
-    """Registers the schemas so that configs/*.yaml are type-checked against them."""
-    store = ConfigStore.instance()
-    store.store(name="config_schema", node=Config)
-    store.store(group="model", name="model_schema", node=ModelConfig)
-    store.store(group="data", name="data_schema", node=DataConfig)
-    store.store(group="training", name="training_schema", node=TrainingConfig)
-    store.store(group="experiment", name="experiment_schema", node=ExperimentConfig)
+    """Registers the schema so that configs/*.yaml are type-checked against it."""
+    ConfigStore.instance().store(name="config_schema", node=Config)
 
 
 def to_config(cfg: DictConfig) -> Config:

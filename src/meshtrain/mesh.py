@@ -44,6 +44,10 @@ def format_mesh_shape(sizes: Sequence[Any], names: Sequence[Any]) -> str:
     return f"[[{','.join(str(s) for s in sizes)}],[{','.join(str(n) for n in names)}]]"
 
 
+def _devices(count: int) -> str:
+    return f"{count} device" if count == 1 else f"{count} devices"
+
+
 def _suggestions(num_devices: int, names: Sequence[str]) -> str:
     """Two mesh shapes over `names` that use exactly num_devices devices."""
     if "tp" in names and "fsdp" in names:
@@ -109,7 +113,8 @@ def parse_mesh_shape(mesh_shape: Any, num_devices: int) -> MeshSpec:
     used = math.prod(sizes)
     if used != num_devices:
         raise ConfigError(
-            f"model.mesh_shape {shown} uses {used} devices but {num_devices} are visible; "
+            f"model.mesh_shape {shown} uses {_devices(used)} but {num_devices} "
+            f"{'is' if num_devices == 1 else 'are'} visible; "
             f"use {_suggestions(num_devices, names)}"
         )
     given = dict(zip(names, sizes, strict=True))

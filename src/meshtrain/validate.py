@@ -77,11 +77,6 @@ def check_config(cfg: Config) -> None:
         training.warmup_steps >= 0, f"training.warmup_steps={training.warmup_steps} must be >= 0"
     )
     _require(
-        training.warmup_steps <= training.steps,
-        f"training.warmup_steps={training.warmup_steps} is more than training.steps={training.steps}; "
-        f"use training.warmup_steps={training.steps // 10} or fewer",
-    )
-    _require(
         0.0 <= training.min_lr_ratio <= 1.0,
         f"training.min_lr_ratio={training.min_lr_ratio} must be in [0, 1]",
     )

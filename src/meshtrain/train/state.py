@@ -41,8 +41,8 @@ def plan_model(cfg: ModelConfig, mesh: Mesh, mesh_spec: MeshSpec) -> ModelPlan:
     """Abstract init (shapes only) plus the logical rules → shardings; checks even division."""
     abstract_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract_model, nnx.Param)
-    specs = param_specs(abstract_state, cfg.logical_axis_rules).to_pure_dict()
-    abstract_params = abstract_state.to_pure_dict()
+    specs = nnx.to_pure_dict(param_specs(abstract_state, cfg.logical_axis_rules))
+    abstract_params = nnx.to_pure_dict(abstract_state)
     check_divisible(abstract_params, specs, mesh_spec)
     return ModelPlan(graphdef, abstract_state, abstract_params, named_shardings(specs, mesh))
 
@@ -81,7 +81,7 @@ def create_train_state(
 
     def init() -> TrainState:
         model = Transformer(cfg, rngs=nnx.Rngs(seed))
-        params = nnx.state(model, nnx.Param).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
     return jax.jit(init, out_shardings=shardings)()

@@ -65,7 +65,7 @@ def make_train_step(
         (grad_sum, loss_sum, count), _ = jax.lax.scan(accumulate, init, batch)
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grad_sum)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {
