@@ -35,7 +35,10 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
             "model.mesh_shape=[[3,1],[fsdp,tp]]",
             "model.mesh_shape [[3,1],[fsdp,tp]] uses 3 devices but 8 are visible; use [[8,1],[fsdp,tp]] or [[4,2],[fsdp,tp]]",
         ),
-        ('model.mesh_shape=[[4,2],["data","tp"]]', "unknown axis 'data'; known axes are dp, fsdp, tp"),
+        (
+            'model.mesh_shape=[[4,2],["data","tp"]]',
+            "unknown axis 'data'; known axes are dp, fsdp, tp",
+        ),
         ("model.mesh_shape=[[4,2,1],[fsdp,tp]]", "has 3 sizes but 2 axis names"),
         (
             "model.mesh_shape=[[8,1],[tp,fsdp]]",
@@ -48,7 +51,10 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
         ),
         ("training.stepz=3", "unknown config key 'training.stepz'"),
         ("training.steps=many", "bad value for 'training.steps'"),
-        ("training.lr_schedule=linear", "training.lr_schedule='linear' is not supported; use one of: cosine, constant"),
+        (
+            "training.lr_schedule=linear",
+            "training.lr_schedule='linear' is not supported; use one of: cosine, constant",
+        ),
         (
             "model.mesh_shape=[[8,1],[fsdp,tp]] data.source=web",
             "data.source='web' is not supported; use text_files or synthetic",
@@ -74,7 +80,12 @@ def test_cfg_job_prints_the_composed_config_without_training():
 def test_help_lists_the_config_groups():
     result = run_cli("--help")
     assert result.returncode == 0, result.stderr
-    for group in ("data: stdlib, synthetic", "experiment: tiny_fsdp, tiny_hybrid", "model: tiny", "training: default"):
+    for group in (
+        "data: stdlib, synthetic",
+        "experiment: tiny_fsdp, tiny_hybrid",
+        "model: tiny",
+        "training: default",
+    ):
         assert group in result.stdout
 
 

@@ -10,7 +10,12 @@ from conftest import compose_config
 
 from meshtrain.train.loop import train
 
-FAST = ("training.steps=5", "training.log_every=1", "training.warmup_steps=2", "training.eval_every=0")
+FAST = (
+    "training.steps=5",
+    "training.log_every=1",
+    "training.warmup_steps=2",
+    "training.eval_every=0",
+)
 
 # (mesh_shape, micro_batch_size, devices): every mesh trains on the same global batch of 8.
 MESHES = [
@@ -31,13 +36,17 @@ def _losses(result):
 @pytest.fixture(scope="module")
 def reference_losses(tmp_path_factory):
     mesh_shape, micro, devices = MESHES[0]
-    cfg = compose_config(f"model.mesh_shape={mesh_shape}", f"training.micro_batch_size={micro}", *FAST)
+    cfg = compose_config(
+        f"model.mesh_shape={mesh_shape}", f"training.micro_batch_size={micro}", *FAST
+    )
     return _losses(train(cfg, tmp_path_factory.mktemp("ref"), devices=jax.devices()[:devices]))
 
 
 @pytest.mark.parametrize(("mesh_shape", "micro", "devices"), MESHES[1:])
 def test_same_seed_same_losses_on_every_mesh(mesh_shape, micro, devices, reference_losses, run_dir):
-    cfg = compose_config(f"model.mesh_shape={mesh_shape}", f"training.micro_batch_size={micro}", *FAST)
+    cfg = compose_config(
+        f"model.mesh_shape={mesh_shape}", f"training.micro_batch_size={micro}", *FAST
+    )
     result = train(cfg, run_dir, devices=jax.devices()[:devices])
     assert result.setup.global_batch == 8
     losses = _losses(result)
@@ -66,19 +75,29 @@ def _one_step(run_dir, *overrides):
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
-    accumulated = _one_step(tmp_path / "a", "training.micro_batch_size=2", "training.gradient_accumulation_steps=4")
-    single = _one_step(tmp_path / "b", "training.micro_batch_size=8", "training.gradient_accumulation_steps=1")
+    accumulated = _one_step(
+        tmp_path / "a", "training.micro_batch_size=2", "training.gradient_accumulation_steps=4"
+    )
+    single = _one_step(
+        tmp_path / "b", "training.micro_batch_size=8", "training.gradient_accumulation_steps=1"
+    )
     assert accumulated.setup.global_batch == single.setup.global_batch == 32
     np.testing.assert_allclose(accumulated.history[0]["loss"], single.history[0]["loss"], rtol=1e-6)
-    np.testing.assert_allclose(accumulated.history[0]["grad_norm"], single.history[0]["grad_norm"], rtol=1e-5)
+    np.testing.assert_allclose(
+        accumulated.history[0]["grad_norm"], single.history[0]["grad_norm"], rtol=1e-5
+    )
     # Adam's first update is lr·g/(|g|+eps): entries whose gradient is ~0 turn summation-order
     # noise into update noise, so compare against the step size (lr 3e-3) rather than relatively.
-    for a, b in zip(jax.tree.leaves(accumulated.state.params), jax.tree.leaves(single.state.params), strict=True):
+    for a, b in zip(
+        jax.tree.leaves(accumulated.state.params), jax.tree.leaves(single.state.params), strict=True
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
 
 
 def test_global_batch_size_derives_micro_batch(run_dir):
-    result = _one_step(run_dir, "training.global_batch_size=16", "training.gradient_accumulation_steps=2")
+    result = _one_step(
+        run_dir, "training.global_batch_size=16", "training.gradient_accumulation_steps=2"
+    )
     assert result.setup.micro_batch_size == 2  # 16 / (fsdp 4 × accumulation 2)
     assert result.setup.global_batch == 16
 
@@ -99,9 +118,18 @@ def test_default_run_loss_falls_and_writes_its_files(run_dir):
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 10, 20, 30, 40, 50, 60]
     for line in lines:
-        assert {"step", "loss", "learning_rate", "grad_norm", "tokens_per_sec", "step_time_s"} <= set(line)
+        assert {
+            "step",
+            "loss",
+            "learning_rate",
+            "grad_norm",
+            "tokens_per_sec",
+            "step_time_s",
+        } <= set(line)
         assert line["tokens_per_sec"] > 0 and line["step_time_s"] > 0
-    assert lines[0]["loss"] - lines[-1]["loss"] > 2.0  # from ≈5.95 towards byte-level English/Python
+    assert (
+        lines[0]["loss"] - lines[-1]["loss"] > 2.0
+    )  # from ≈5.95 towards byte-level English/Python
     assert lines[-1]["val_loss"] < lines[0]["loss"] - 2.0
     assert result.history == lines
     assert "step 60/60" in (run_dir / "train.log").read_text()
