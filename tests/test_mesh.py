@@ -58,7 +58,10 @@ def test_parse_mesh_shape(mesh_shape, expected):
             "model.mesh_shape [[2,4],[fsdp,fsdp]] names an axis twice; name each axis once",
         ),
         ([[0, 8], ["fsdp", "tp"]], "sizes must be positive integers or one -1"),
-        ([[2, 4], ["pp", "tp"]], "axis 'pp' is reserved (pipeline parallelism is not supported yet)"),
+        (
+            [[2, 4], ["pp", "tp"]],
+            "axis 'pp' is reserved (pipeline parallelism is not supported yet)",
+        ),
         ("4x2", "model.mesh_shape='4x2' is not [[sizes],[names]]"),
     ],
 )

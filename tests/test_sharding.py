@@ -32,7 +32,9 @@ def test_a_mesh_axis_shards_one_dimension_only():
 
 
 def test_rules_errors():
-    with pytest.raises(ConfigError, match=r"model.logical_axis_rules.mlp='model' names unknown mesh axis 'model'"):
+    with pytest.raises(
+        ConfigError, match=r"model.logical_axis_rules.mlp='model' names unknown mesh axis 'model'"
+    ):
         check_rules({**RULES, "mlp": "model"})
     with pytest.raises(ConfigError, match="has no rule for logical axis 'mlp'"):
         logical_to_spec(("mlp",), {})
@@ -109,4 +111,6 @@ def test_init_does_not_depend_on_the_mesh(sharded_state):
     with jax.set_mesh(mesh):
         single = create_train_state(cfg.model, plan, tx, state_shardings(plan, tx, mesh), seed=0)
     for name, array in _by_name(single.params).items():
-        np.testing.assert_array_equal(np.asarray(array), np.asarray(_by_name(sharded_state.params)[name]))
+        np.testing.assert_array_equal(
+            np.asarray(array), np.asarray(_by_name(sharded_state.params)[name])
+        )
