@@ -126,7 +126,6 @@ def describe(result: subprocess.CompletedProcess[str]) -> str:
     return f"exit code {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: f"{c.doc}:{c.lineno} {c.line}")
 def test_documented_command(command: Command, tmp_path: Path) -> None:
     env_vars, args = parse(command.line)
