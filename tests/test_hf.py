@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from meshtrain.data import BatchIterator, build_tokenizer
 from meshtrain.errors import ConfigError
 from meshtrain.hf.export import export_hf
+from meshtrain.hf.model import load_hf
 from meshtrain.hf.safetensors_io import INDEX_FILE, CheckpointReader
 from meshtrain.hf.weights import hf_tensors
 from meshtrain.train.loop import prepare, train
@@ -106,30 +107,58 @@ def test_logits_match_transformers(family, checkpoints):
     assert _relative_error(_logits(setup, state.params), theirs) <= LOGIT_TOLERANCE
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_one_training_step_matches_transformers(family, checkpoints, trained):
-    hf_model, _ = checkpoints[family]
-    result = trained(family)
-    cfg = result.setup.cfg
-    # The batch of step 1, as the run's iterator produced it: [4, SEQ_LEN + 1].
-    batch = next(
+def _hf_loss_and_grad_norm(hf_model, result) -> tuple[float, float]:
+    """transformers' loss and gradient norm on the batch of the run's step 1."""
+    batch = next(  # [4, SEQ_LEN + 1], as the run's iterator produced it
         BatchIterator(
             result.setup.train_data,
             global_batch=4,
             accum_steps=1,
             rows=slice(0, 4),
-            seed=cfg.training.seed,
+            seed=result.setup.cfg.training.seed,
         )
     )[0]
     tokens = torch.as_tensor(batch, dtype=torch.long)
     hf_model.zero_grad()
-    loss = hf_model(input_ids=tokens, labels=tokens).loss  # shifts labels itself
+    loss = hf_model(input_ids=tokens, labels=tokens).loss  # shifts the labels itself
     loss.backward()
     grad_norm = math.sqrt(sum(float((p.grad**2).sum()) for p in hf_model.parameters()))
-    step = result.history[0]
+    return loss.item(), grad_norm
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_training_step_matches_transformers(family, checkpoints, trained):
+    hf_model, _ = checkpoints[family]
+    result = trained(family)
+    loss, grad_norm = _hf_loss_and_grad_norm(hf_model, result)
     # The loss is a mean of 160 log-probabilities whose logits agree to ~1e-6 relative.
-    np.testing.assert_allclose(step["loss"], loss.item(), rtol=1e-5)
-    np.testing.assert_allclose(step["grad_norm"], grad_norm, rtol=1e-4)
+    np.testing.assert_allclose(result.history[0]["loss"], loss, rtol=1e-5)
+    np.testing.assert_allclose(result.history[0]["grad_norm"], grad_norm, rtol=1e-4)
+
+
+def test_bf16_end_to_end_stays_close_to_transformers_fp32(checkpoints, tmp_path):
+    hf_model, directory = checkpoints["gemma3"]
+    cfg = _config(
+        "gemma3",
+        directory,
+        "training.mixed_precision=bf16",
+        "training.steps=1",
+        "training.warmup_steps=1",
+        "training.eval_every=0",
+        "training.micro_batch_size=4",
+    )
+    result = train(cfg, tmp_path, devices=jax.devices()[:1])
+    loss, _ = _hf_loss_and_grad_norm(hf_model, result)
+    # bf16 matmuls (8-bit mantissa) move a loss of ~6 by about a part in a thousand.
+    np.testing.assert_allclose(result.history[0]["loss"], loss, rtol=1e-2)
+    assert result.history[0]["loss"] != loss
+    assert {a.dtype for a in jax.tree.leaves(result.state.params)} == {np.dtype("float32")}
+    # Inference in bf16: parameters stored in bf16, logits in bf16.
+    model = load_hf(directory, dtype=jnp.bfloat16)
+    logits = model(jnp.asarray(TOKENS, jnp.int32))
+    assert logits.dtype == jnp.bfloat16
+    ours = np.asarray(logits.astype(jnp.float32))
+    assert _relative_error(ours, tiny_hf.logits(hf_model, TOKENS)) < 3e-2
 
 
 def test_scan_layers_and_remat_import_the_same_weights(checkpoints):

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 import types
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -23,6 +24,18 @@ from flax import nnx
 from meshtrain.data.tokenizer import Tokenizer, build_tokenizer
 from meshtrain.errors import ConfigError
 from meshtrain.models.transformer import Transformer
+
+
+@partial(nnx.jit, static_argnames=("vocab_size", "greedy"))
+def _next_token(model, tokens, position, key, temperature, *, vocab_size, greedy):
+    """The token after tokens[0, position - 1]. tokens: int32 [1, total]."""
+    logits = model(tokens)[0].astype(jnp.float32)  # [total, V]
+    logits = jax.lax.dynamic_index_in_dim(logits, position - 1, keepdims=False)  # [V]
+    # Embedding rows past the tokenizer's vocabulary are padding, never a real token.
+    logits = jnp.where(jnp.arange(logits.shape[0]) < vocab_size, logits, -jnp.inf)
+    if greedy:
+        return jnp.argmax(logits)
+    return jax.random.categorical(key, logits / temperature)
 
 
 def generate(
@@ -42,23 +55,12 @@ def generate(
     start, total = len(ids), len(ids) + max_new_tokens
     tokens = np.zeros((1, total), np.int32)  # [1, total]; positions after the current one are
     tokens[0, :start] = ids  # never seen by the causal model, so zeros are as good as anything
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def next_token(state, tokens, position, key):
-        logits = nnx.merge(graphdef, state)(tokens)[0].astype(jnp.float32)  # [total, V]
-        logits = jax.lax.dynamic_index_in_dim(logits, position - 1, keepdims=False)  # [V]
-        # Embedding rows past the tokenizer's vocabulary are padding, never a real token.
-        logits = jnp.where(jnp.arange(logits.shape[0]) < tokenizer.vocab_size, logits, -jnp.inf)
-        if temperature == 0:
-            return jnp.argmax(logits)
-        return jax.random.categorical(key, logits / temperature)
-
+    static = dict(vocab_size=tokenizer.vocab_size, greedy=temperature == 0)
     key = jax.random.key(seed)
     end = start
     for position in range(start, total):
         key, step_key = jax.random.split(key)
-        token = int(next_token(state, tokens, position, step_key))
+        token = int(_next_token(model, tokens, position, step_key, temperature, **static))
         if token == tokenizer.eos_id:
             break
         tokens[0, position] = token
@@ -91,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(
                 f"--max-new-tokens={args.max_new_tokens} must be >= 1 and "
                 f"--temperature={args.temperature} >= 0"
+            )
+        if not Path(args.checkpoint).is_dir():
+            raise ConfigError(
+                f"{args.checkpoint} is not a directory; pass a Hugging Face checkpoint directory "
+                "(config.json, *.safetensors and the tokenizer)"
             )
         try:
             tokenizer = build_tokenizer(args.tokenizer or args.checkpoint)

@@ -103,16 +103,18 @@ def _check_model_flavour(cfg: Config) -> None:
     """The fields that select a model family's features (configs/model/*.yaml)."""
     model = cfg.model
     _one_of("model.family", model.family, FAMILIES)
+    pattern = "[" + ",".join(model.attention_pattern) + "]"
     _require(
         bool(model.attention_pattern) and all(k in LAYER_KINDS for k in model.attention_pattern),
-        f"model.attention_pattern={model.attention_pattern} must be a non-empty list of "
+        f"model.attention_pattern={pattern} must be a non-empty list of "
         f"{' and '.join(LAYER_KINDS)}, e.g. [local,local,local,local,local,global]",
     )
     if "local" in model.attention_pattern:
+        window = "null" if model.sliding_window is None else model.sliding_window
         _require(
             model.sliding_window is not None and model.sliding_window > 0,
-            f"model.sliding_window={model.sliding_window} must be a positive number of tokens "
-            "because model.attention_pattern has local layers",
+            f"model.sliding_window={window} must be a positive number of tokens because "
+            f"model.attention_pattern={pattern} has local layers",
         )
     if model.rope_local_theta is not None:
         _positive("model.rope_local_theta", model.rope_local_theta)

@@ -7,6 +7,7 @@ embedding scaling and (1 + w) norm scales) differ only in their `ModelConfig`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -59,6 +60,18 @@ def rope_specs(cfg: ModelConfig) -> dict[str, RopeSpec]:
         ),
         "local": RopeSpec(theta=cfg.rope_local_theta or cfg.rope_theta),
     }
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Number of parameters, from abstract one- and two-block models (fast at any depth)."""
+
+    def count(num_layers: int) -> int:
+        one = dataclasses.replace(cfg, num_layers=num_layers, scan_layers=False)
+        abstract = nnx.eval_shape(lambda: Transformer(one, rngs=nnx.Rngs(0)))
+        return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+    one_block, two_blocks = count(1), count(2)
+    return one_block + (cfg.num_layers - 1) * (two_blocks - one_block)
 
 
 class Block(nnx.Module):
