@@ -14,10 +14,20 @@ from meshtrain.config import register_configs, to_config
 from meshtrain.models.transformer import parameter_count
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-ORDER = (
-    "gemma3_270m gemma3_1b gemma3_4b gemma3_12b gemma3_27b "
-    "llama3_1b llama3_3b llama3_8b qwen3_0_6b qwen3_1_7b qwen3_4b qwen3_8b"
-).split()
+ORDER = [
+    "gemma3_270m",
+    "gemma3_1b",
+    "gemma3_4b",
+    "gemma3_12b",
+    "gemma3_27b",
+    "llama3_1b",
+    "llama3_3b",
+    "llama3_8b",
+    "qwen3_0_6b",
+    "qwen3_1_7b",
+    "qwen3_4b",
+    "qwen3_8b",
+]
 
 
 def row(name: str) -> str:
