@@ -12,6 +12,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.config import ModelConfig
+from meshtrain.hf.checkpoint import checkpoint_dir, load_params
 from meshtrain.mesh import MeshSpec
 from meshtrain.models.transformer import Transformer
 from meshtrain.sharding import check_divisible, named_shardings, param_specs
@@ -77,7 +78,17 @@ def create_train_state(
 ) -> TrainState:
     """Initialises parameters and optimizer state inside one jit whose outputs are sharded, so
     each device only ever materialises its own shards. The random values do not depend on the
-    mesh (jax's partitionable threefry), which keeps losses identical across mesh shapes."""
+    mesh (jax's partitionable threefry), which keeps losses identical across mesh shapes.
+    With model.init_from=hf:/dir the parameters are read from that checkpoint, shard by shard."""
+    if cfg.init_from is not None:
+        params = load_params(
+            checkpoint_dir(cfg.init_from), cfg, plan.abstract_params, plan.param_shardings
+        )
+        return jax.jit(
+            lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p)),
+            out_shardings=shardings,
+            donate_argnums=0,
+        )(params)
 
     def init() -> TrainState:
         model = Transformer(cfg, rngs=nnx.Rngs(seed))
