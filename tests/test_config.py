@@ -11,12 +11,17 @@ import yaml
 from conftest import CONFIG_DIR, compose_config
 
 from meshtrain import config as config_module
-from meshtrain.config import Config, DataConfig, ModelConfig, TrainingConfig
+from meshtrain.config import CheckpointConfig, Config, DataConfig, ModelConfig, TrainingConfig
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import parse_mesh_shape
 from meshtrain.validate import check_against_mesh, check_config
 
-SCHEMAS = {"model": ModelConfig, "data": DataConfig, "training": TrainingConfig}
+SCHEMAS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "training": TrainingConfig,
+    "checkpoint": CheckpointConfig,
+}
 
 
 def _field_docs(cls) -> dict[str, str]:
@@ -30,7 +35,8 @@ def _field_docs(cls) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "cls", [ModelConfig, DataConfig, TrainingConfig, config_module.ExperimentConfig]
+    "cls",
+    [ModelConfig, DataConfig, TrainingConfig, CheckpointConfig, config_module.ExperimentConfig],
 )
 def test_every_field_has_a_one_line_doc(cls):
     docs = _field_docs(cls)
@@ -47,7 +53,9 @@ def test_group_yaml_sets_exactly_the_schema_fields(path: Path):
     assert set(values) == {f.name for f in dataclasses.fields(SCHEMAS[path.parent.name])}
 
 
-@pytest.mark.parametrize("group", ["model/tiny", "data/stdlib", "training/default"])
+@pytest.mark.parametrize(
+    "group", ["model/tiny", "data/stdlib", "training/default", "checkpoint/default"]
+)
 def test_default_yaml_equals_dataclass_defaults(group):
     section, name = group.split("/")
     values = yaml.safe_load((CONFIG_DIR / section / f"{name}.yaml").read_text())
@@ -81,6 +89,10 @@ def test_experiment_recipe_sets_mesh_and_batch():
         ),
         (["training.micro_batch_size=0"], "training.micro_batch_size=0 must be positive"),
         (["data.validation_fraction=1.0"], "data.validation_fraction=1.0 must be in [0, 1)"),
+        (
+            ["training.nonfinite=ignore"],
+            "training.nonfinite='ignore' is not supported; use one of: stop, skip",
+        ),
         (
             ["model.mlp_activation=relu"],
             "model.mlp_activation='relu' is not supported; use one of: silu, gelu",

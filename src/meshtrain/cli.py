@@ -22,6 +22,9 @@ from meshtrain.config import register_configs, to_config
 from meshtrain.errors import ConfigError
 
 EXIT_CONFIG_ERROR = 2
+EXIT_NONFINITE = (
+    3  # training.nonfinite=stop met a NaN/Inf; a run stopped by a signal exits 128 + signum
+)
 # Read once at import, before main() sets HYDRA_FULL_ERROR for its own use.
 _USER_WANTS_TRACEBACK = "1" in (
     os.environ.get("HYDRA_FULL_ERROR"),
@@ -33,9 +36,9 @@ def _wants_traceback() -> bool:
     return _USER_WANTS_TRACEBACK
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = EXIT_CONFIG_ERROR) -> None:
     print(f"meshtrain: error: {message}", file=sys.stderr)
-    sys.exit(EXIT_CONFIG_ERROR)
+    sys.exit(code)
 
 
 def describe_config_error(err: BaseException) -> str:
@@ -64,15 +67,19 @@ def describe_config_error(err: BaseException) -> str:
 def train_from_hydra(cfg: DictConfig) -> None:
     """The Hydra task: typed config → training run in Hydra's output directory."""
     # Imported here so `--help` and `--cfg job` answer without starting JAX.
+    from meshtrain.preemption import exit_code_for
+    from meshtrain.train.guard import NonFiniteError
     from meshtrain.train.loop import train
 
     try:
         config = to_config(cfg)
-        train(config, Path(HydraConfig.get().runtime.output_dir))
-    except ConfigError as err:
+        result = train(config, Path(HydraConfig.get().runtime.output_dir))
+    except (ConfigError, NonFiniteError) as err:
         if _wants_traceback():
             raise
-        _fail(str(err))
+        _fail(str(err), EXIT_NONFINITE if isinstance(err, NonFiniteError) else EXIT_CONFIG_ERROR)
+    if result.stopped_by is not None:  # saved after SIGTERM/SIGINT: "stopped, resumable"
+        sys.exit(exit_code_for(result.stopped_by))
 
 
 def make_main(config_dir: Path) -> Callable[[], None]:

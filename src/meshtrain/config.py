@@ -155,6 +155,26 @@ class TrainingConfig:
     """Evaluate on the held-out split every this many updates (and at the end); 0 disables."""
     eval_batches: int = 4
     """Global batches averaged for one validation loss."""
+    nonfinite: str = "stop"
+    """A NaN/Inf loss or gradient norm: stop (error naming the step; never checkpointed) or skip (drop that update, count it)."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    """Directory of this run's checkpoints; null means <run_dir>/checkpoints."""
+    every_steps: int = 100
+    """Save every this many steps; also saved at the last step and on SIGTERM/SIGINT. 0: only then."""
+    keep: int = 3
+    """Newest checkpoints kept; an older one is deleted only after a newer one has committed."""
+    resume: str = "auto"
+    """auto (continue from the newest complete checkpoint in checkpoint.dir), never (start fresh), or a checkpoint path."""
+    overwrite: bool = False
+    """Allow deleting checkpoints in checkpoint.dir that lie after the start step (e.g. resume=never on a used dir)."""
+    load_params: str | None = None
+    """Checkpoint or export whose parameters start a fresh run (fine-tuning); optimizer, step and data start anew."""
+    async_save: bool = True
+    """Write checkpoints in the background while training continues."""
 
 
 @dataclass
@@ -168,6 +188,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
 
 

@@ -14,6 +14,7 @@ from meshtrain.mesh import MeshSpec
 from meshtrain.models.layers import ROPE_SCALINGS
 from meshtrain.models.transformer import ACTIVATIONS, LAYER_KINDS, REMAT_POLICIES
 from meshtrain.sharding import check_rules, mesh_axes_for
+from meshtrain.train.guard import NONFINITE_MODES
 from meshtrain.train.optimizer import LR_SCHEDULES
 from meshtrain.train.step import COMPUTE_DTYPES
 
@@ -77,6 +78,7 @@ def check_config(cfg: Config) -> None:
     _positive("training.learning_rate", training.learning_rate)
     _one_of("training.lr_schedule", training.lr_schedule, LR_SCHEDULES)
     _one_of("training.mixed_precision", training.mixed_precision, tuple(COMPUTE_DTYPES))
+    _one_of("training.nonfinite", training.nonfinite, NONFINITE_MODES)
     _require(
         training.warmup_steps >= 0, f"training.warmup_steps={training.warmup_steps} must be >= 0"
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -18,17 +19,21 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from meshtrain.checkpoint import RunCheckpoints
 from meshtrain.config import Config
 from meshtrain.data import BatchIterator, TokenDataset, build_dataset, validation_batches
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import MeshSpec, build_mesh, format_mesh_shape, parse_mesh_shape
 from meshtrain.metrics import MetricsWriter, setup_logging
+from meshtrain.preemption import StopSignals
 from meshtrain.sharding import logical_to_spec
 from meshtrain.train.batch import process_rows, to_global_array
+from meshtrain.train.guard import raise_if_nonfinite
 from meshtrain.train.optimizer import build_optimizer, learning_rate_schedule
 from meshtrain.train.state import (
     ModelPlan,
     TrainState,
+    abstract_train_state,
     create_train_state,
     plan_model,
     state_shardings,
@@ -37,6 +42,9 @@ from meshtrain.train.step import make_eval_step, make_train_step
 from meshtrain.validate import check_against_mesh, check_config, micro_batch_size
 
 log = logging.getLogger(__name__)
+
+# The step's metrics in the order they are logged (nonfinite_skips only with nonfinite=skip).
+_METRICS = ("loss", "learning_rate", "grad_norm", "nonfinite_skips")
 
 
 @dataclass
@@ -72,6 +80,7 @@ class RunResult:
     history: list[dict[str, float]]  # one entry per logged step
     state: TrainState
     setup: Setup
+    stopped_by: int | None = None  # the signal that stopped the run early, after it saved
 
 
 def _build_data(cfg: Config, split: str) -> TokenDataset:
@@ -134,6 +143,7 @@ def _evaluate(eval_step, params: Any, batches: list[jax.Array]) -> float:
 def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = None) -> RunResult:
     """Runs a whole training job and writes its logs and metrics into `run_dir`."""
     setup = prepare(cfg, devices)
+    checkpoints = RunCheckpoints.open(cfg, run_dir, setup.plan)
     is_main = jax.process_index() == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -142,10 +152,10 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
     training = cfg.training
     mesh = setup.mesh
 
-    with jax.set_mesh(mesh):
+    signals = StopSignals(agree_every=training.log_every)
+    with jax.set_mesh(mesh), checkpoints, signals:
         tx = build_optimizer(training)
         shardings = state_shardings(setup.plan, tx, mesh)
-        state = create_train_state(cfg.model, setup.plan, tx, shardings, training.seed)
 
         rules = cfg.model.logical_axis_rules
         batch_shape = (
@@ -162,6 +172,7 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
             batch_sharding=batch_sharding,
             pad_id=setup.train_data.pad_id,
             mixed_precision=training.mixed_precision,
+            nonfinite=training.nonfinite,
         )
         batches = BatchIterator(
             setup.train_data,
@@ -170,33 +181,66 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
             rows=process_rows(batch_sharding, batch_shape, axis=1),
             seed=training.seed,
         )
+        # A resumed state comes with the data position; `init` creates a fresh one (around
+        # loaded parameters when fine-tuning).
+        state, start_step = checkpoints.restore_or_init(
+            abstract_train_state(setup.plan, tx, shardings),
+            lambda params: create_train_state(
+                cfg.model, setup.plan, tx, shardings, training.seed, params
+            ),
+            batches,
+        )
         evaluate = _make_evaluator(setup, shardings)
 
         history: list[dict[str, float]] = []
+        stopped_by: int | None = None
         tokens_per_step = setup.global_batch * cfg.data.seq_len
-        with MetricsWriter(run_dir, total_steps=training.steps, is_main=is_main) as writer:
-            interval_start, interval_step = time.perf_counter(), 0
-            for step in range(1, training.steps + 1):
+        with MetricsWriter(
+            run_dir, total_steps=training.steps, is_main=is_main, start_step=start_step
+        ) as writer:
+            interval_start, interval_step = time.perf_counter(), start_step
+            for step in range(start_step + 1, training.steps + 1):
                 state, metrics = train_step(
                     state, to_global_array(next(batches), batch_sharding, batch_shape)
                 )
                 is_last = step == training.steps
+                stop = signals.stop_requested(step)
                 eval_now = evaluate is not None and (is_last or step % training.eval_every == 0)
-                if not (step == 1 or step % training.log_every == 0 or is_last or eval_now):
-                    continue
-                fetched = jax.device_get(metrics)
-                values = {k: float(fetched[k]) for k in ("loss", "learning_rate", "grad_norm")}
-                # Fetching the metrics waited for the step, so this interval is real device time.
-                # Step 1 is its own interval: it includes compilation, the others do not.
-                now = time.perf_counter()
-                values["step_time_s"] = (now - interval_start) / (step - interval_step)
-                values["tokens_per_sec"] = tokens_per_step / values["step_time_s"]
-                interval_start, interval_step = now, step
-                if eval_now:
-                    values["val_loss"] = evaluate(state.params)
-                    interval_start = time.perf_counter()  # evaluation time is not step time
-                history.append({"step": step, **values})
-                writer.write(step, values)
+                if (
+                    step == start_step + 1
+                    or step % training.log_every == 0
+                    or is_last
+                    or eval_now
+                    or stop
+                ):
+                    fetched = jax.device_get(metrics)
+                    values = {k: float(fetched[k]) for k in _METRICS if k in fetched}
+                    # Fetching the metrics waited for the step, so this interval is real device
+                    # time. The first step is its own interval: it includes compilation.
+                    now = time.perf_counter()
+                    values["step_time_s"] = (now - interval_start) / (step - interval_step)
+                    values["tokens_per_sec"] = tokens_per_step / values["step_time_s"]
+                    interval_start, interval_step = now, step
+                    if eval_now:
+                        values["val_loss"] = evaluate(state.params)
+                        interval_start = time.perf_counter()  # evaluation time is not step time
+                    history.append({"step": step, **values})
+                    writer.write(step, values)
+                    last = checkpoints.last_saved
+                    raise_if_nonfinite(state.nonfinite, training.nonfinite, last_saved=last)
+                if checkpoints.maybe_save(step, state, batches, force=is_last or stop):
+                    # The save waited for the step; its own time is not step time.
+                    interval_start, interval_step = time.perf_counter(), step
+                if stop:
+                    stopped_by = signals.received
+                    break
+    if stopped_by is not None:
+        log.warning(
+            "stopped by %s; checkpoint %s is complete; run the same command to resume",
+            signal.Signals(stopped_by).name,
+            checkpoints.last_saved,
+        )
+        return RunResult(history=history, state=state, setup=setup, stopped_by=stopped_by)
     log.info("finished %d steps in %s", training.steps, run_dir)
     return RunResult(history=history, state=state, setup=setup)
 

@@ -16,16 +16,29 @@ from meshtrain.hf.checkpoint import checkpoint_dir, load_params
 from meshtrain.mesh import MeshSpec
 from meshtrain.models.transformer import Transformer
 from meshtrain.sharding import check_divisible, named_shardings, param_specs
+from meshtrain.train.guard import NonfiniteRecord, initial_record
+
+# Folded into the seed for the train-step key, far from the small counters nnx folds into the
+# same seed while initialising parameters, so the two streams never share a key.
+_STEP_RNG_STREAM = 1 << 20
 
 
 @struct.dataclass
 class TrainState:
-    """Everything an update changes. `params` is a nested dict of fp32 arrays (the nnx.Param
-    values of the model); `step` counts the updates applied so far."""
+    """Everything a train step changes, and so everything a checkpoint must hold.
+
+    `params` is a nested dict of fp32 arrays (the nnx.Param values of the model); `step` counts
+    the train steps taken (batches consumed), skipped updates included. `rng` is the raw data of
+    the key that stochastic layers draw from: a layer that needs randomness at step k uses
+    `jax.random.fold_in(jax.random.wrap_key_data(rng), k)`. No layer draws yet; the key is kept,
+    checkpointed and restored so that one that does (dropout) continues exactly after a resume.
+    """
 
     step: jax.Array  # int32 []
     params: Any
     opt_state: optax.OptState
+    rng: jax.Array  # uint32 [2]: jax.random.key_data of the train-step key
+    nonfinite: NonfiniteRecord
 
 
 @dataclass(frozen=True)
@@ -66,7 +79,25 @@ def state_shardings(plan: ModelPlan, tx: optax.GradientTransformation, mesh: Mes
         plan.param_shardings,
         transform_non_params=lambda _: replicated,
     )
-    return TrainState(step=replicated, params=plan.param_shardings, opt_state=opt_shardings)
+    return TrainState(
+        step=replicated,
+        params=plan.param_shardings,
+        opt_state=opt_shardings,
+        rng=replicated,
+        nonfinite=jax.tree.map(lambda _: replicated, initial_record()),
+    )
+
+
+def _state_from_params(params: Any, tx: optax.GradientTransformation, seed: int) -> TrainState:
+    """Step 0 around given parameters: a fresh optimizer state, the seed's train-step key."""
+    key = jax.random.fold_in(jax.random.key(seed), _STEP_RNG_STREAM)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(params),
+        rng=jax.random.key_data(key),
+        nonfinite=initial_record(),
+    )
 
 
 def create_train_state(
@@ -75,24 +106,34 @@ def create_train_state(
     tx: optax.GradientTransformation,
     shardings: TrainState,
     seed: int,
+    params: Any = None,
 ) -> TrainState:
     """Initialises parameters and optimizer state inside one jit whose outputs are sharded, so
     each device only ever materialises its own shards. The random values do not depend on the
     mesh (jax's partitionable threefry), which keeps losses identical across mesh shapes.
-    With model.init_from=hf:/dir the parameters are read from that checkpoint, shard by shard."""
-    if cfg.init_from is not None:
+    With model.init_from=hf:/dir the parameters are read from that checkpoint, shard by shard.
+    Given `params` (already sharded, e.g. loaded for fine-tuning), only the rest is created."""
+    if params is None and cfg.init_from is not None:
         params = load_params(
             checkpoint_dir(cfg.init_from), cfg, plan.abstract_params, plan.param_shardings
         )
-        return jax.jit(
-            lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p)),
-            out_shardings=shardings,
-            donate_argnums=0,
-        )(params)
+    if params is not None:
+        return jax.jit(lambda p: _state_from_params(p, tx, seed), out_shardings=shardings)(params)
 
     def init() -> TrainState:
         model = Transformer(cfg, rngs=nnx.Rngs(seed))
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+        return _state_from_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)), tx, seed)
 
     return jax.jit(init, out_shardings=shardings)()
+
+
+def abstract_train_state(
+    plan: ModelPlan, tx: optax.GradientTransformation, shardings: TrainState
+) -> TrainState:
+    """The train state as ShapeDtypeStructs carrying their shardings: a restore target."""
+    shapes = jax.eval_shape(lambda p: _state_from_params(p, tx, 0), plan.abstract_params)
+    return jax.tree.map(
+        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+        shapes,
+        shardings,
+    )

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from meshtrain.train.guard import guard_update
 from meshtrain.train.state import ModelPlan, TrainState, merge_model
 
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
@@ -42,8 +43,13 @@ def make_train_step(
     batch_sharding: jax.sharding.NamedSharding,
     pad_id: int,
     mixed_precision: str,
+    nonfinite: str = "stop",
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
-    """The compiled update: (state, batch) → (new state, metrics), with the state donated."""
+    """The compiled update: (state, batch) → (new state, metrics), with the state donated.
+
+    `nonfinite` (training.nonfinite): "skip" drops an update whose loss or gradient norm is not
+    finite; either way the first such step is recorded in `state.nonfinite` (see train.guard).
+    """
     compute_dtype = COMPUTE_DTYPES[mixed_precision]
     grad_fn = jax.value_and_grad(
         lambda params, tokens: token_loss_sum(
@@ -68,12 +74,22 @@ def make_train_step(
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {
-            "loss": loss_sum / count,
-            "learning_rate": schedule(state.step),
-            "grad_norm": grad_norm,
-        }
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        loss = loss_sum / count
+        step = state.step + 1
+        (params, opt_state), record = guard_update(
+            (state.params, state.opt_state),
+            (params, opt_state),
+            state.nonfinite,
+            step=step,
+            loss=loss,
+            grad_norm=grad_norm,
+            skip=nonfinite == "skip",
+        )
+        metrics = {"loss": loss, "learning_rate": schedule(state.step), "grad_norm": grad_norm}
+        if nonfinite == "skip":
+            metrics["nonfinite_skips"] = record.skipped
+        new_state = state.replace(step=step, params=params, opt_state=opt_state, nonfinite=record)
+        return new_state, metrics
 
     return jax.jit(
         step,
