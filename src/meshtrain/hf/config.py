@@ -85,7 +85,7 @@ HF_NAMES = {
     "num_kv_heads": "num_key_value_heads",
     "head_dim": "head_dim",
     "mlp_dim": "intermediate_size",
-    "mlp_activation": "hidden_act",
+    "mlp_activation": "hidden_act (Gemma: hidden_activation)",
     "rope_theta": "rope_theta",
     "norm_eps": "rms_norm_eps",
     "tie_embeddings": "tie_word_embeddings",
