@@ -378,6 +378,10 @@ def hf_config_from_model(
         )
     else:
         config.update(hidden_act=_ACTIVATION_NAMES[model.mlp_activation], mlp_bias=False)
+    pattern = model.attention_pattern
+    if model.family == "gemma3" and pattern[-1] == "global" and "global" not in pattern[:-1]:
+        # what transformers < 4.53 reads instead of layer_types: every n-th layer is global
+        config["sliding_window_pattern"] = len(pattern)
     if model.family == "qwen3":
         config.update(
             use_sliding_window=False, sliding_window=None, max_window_layers=model.num_layers
