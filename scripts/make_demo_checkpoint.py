@@ -37,7 +37,7 @@ def train_tokenizer(directory: Path, vocab_size: int) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    files = list_documents(None, "**/*.py")[:300]
+    files = list_documents(None, "**/*.py")[:100]
     tokenizer.train_from_iterator((f.read_text(errors="replace") for f in files), trainer)
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(

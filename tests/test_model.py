@@ -99,7 +99,7 @@ def test_tied_and_untied_output():
 GEMMA_LIKE = dataclasses.replace(
     CFG,
     family="gemma3",
-    num_layers=4,
+    num_layers=3,
     attention_pattern=["local", "local", "global"],
     sliding_window=8,
     rope_theta=1e6,
@@ -153,7 +153,7 @@ def plain_loss_and_grads():
 
 @pytest.mark.parametrize(
     ("remat", "scan_layers"),
-    [("full", False), ("dots_saveable", False), ("minimal", False), ("none", True), ("full", True)],
+    [("full", False), ("minimal", False), ("none", True), ("dots_saveable", True)],
 )
 def test_remat_and_scan_give_the_plain_models_loss_and_gradients(
     remat, scan_layers, plain_loss_and_grads
@@ -173,10 +173,10 @@ def test_remat_and_scan_give_the_plain_models_loss_and_gradients(
 def test_scan_stacks_parameters_on_a_replicated_layers_axis():
     model = Transformer(dataclasses.replace(GEMMA_LIKE, scan_layers=True), rngs=nnx.Rngs(0))
     q = model.blocks.attn.q
-    assert q.shape == (4, CFG.d_model, CFG.num_heads, CFG.head_dim)
+    assert q.shape == (3, CFG.d_model, CFG.num_heads, CFG.head_dim)
     assert q.get_metadata()["logical_axes"] == ("layers", "embed", "heads", "head_dim")
     plain = Transformer(GEMMA_LIKE, rngs=nnx.Rngs(0))
-    np.testing.assert_array_equal(q[...][3], plain.blocks[3].attn.q[...])
+    np.testing.assert_array_equal(q[...][2], plain.blocks[2].attn.q[...])
 
 
 def test_scan_and_remat_train_like_the_plain_model_on_a_sharded_mesh(tmp_path):

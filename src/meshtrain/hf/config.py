@@ -85,7 +85,7 @@ HF_NAMES = {
     "num_kv_heads": "num_key_value_heads",
     "head_dim": "head_dim",
     "mlp_dim": "intermediate_size",
-    "mlp_activation": "hidden_act",
+    "mlp_activation": "hidden_act (Gemma: hidden_activation)",
     "rope_theta": "rope_theta",
     "norm_eps": "rms_norm_eps",
     "tie_embeddings": "tie_word_embeddings",
@@ -378,6 +378,10 @@ def hf_config_from_model(
         )
     else:
         config.update(hidden_act=_ACTIVATION_NAMES[model.mlp_activation], mlp_bias=False)
+    pattern = model.attention_pattern
+    if model.family == "gemma3" and pattern[-1] == "global" and "global" not in pattern[:-1]:
+        # what transformers < 4.53 reads instead of layer_types: every n-th layer is global
+        config["sliding_window_pattern"] = len(pattern)
     if model.family == "qwen3":
         config.update(
             use_sliding_window=False, sliding_window=None, max_window_layers=model.num_layers
