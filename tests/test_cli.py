@@ -83,7 +83,8 @@ def test_help_lists_the_config_groups():
     for group in (
         "data: stdlib, synthetic",
         "experiment: tiny_fsdp, tiny_hybrid",
-        "model: tiny",
+        "model: gemma3_12b, gemma3_1b, gemma3_270m, gemma3_27b, gemma3_4b, llama3_1b, "
+        "llama3_3b, llama3_8b, qwen3_0_6b, qwen3_1_7b, qwen3_4b, qwen3_8b, tiny",
         "training: default",
     ):
         assert group in result.stdout

@@ -69,7 +69,9 @@ def test_byte_tokenizer_ids_and_round_trip():
 
 def test_bad_tokenizer_message():
     with pytest.raises(
-        ValueError, match=r"^data\.tokenizer='foo' is not supported; use data\.tokenizer=byte$"
+        ValueError,
+        match=r"^data\.tokenizer='foo' is not supported; use byte, a tokenizer\.json file, a "
+        r"sentencepiece \.model file, or a directory holding one$",
     ):
         build_tokenizer("foo")
 

@@ -29,8 +29,6 @@ RUN_OVERRIDES = (
     f"training.steps={STEPS}",
     "training.log_every=1",
     "training.eval_every=0",
-    # The default warmup (20 steps) is longer than the shortened run, which is a config error.
-    "training.warmup_steps=1",
 )
 
 

@@ -1,1 +1,28 @@
-"""meshtrain: a config-driven training launcher for JAX language models."""
+"""meshtrain: a config-driven training launcher for JAX language models.
+
+For scripts and notebooks (imported on first use, so `import meshtrain` stays light):
+`meshtrain.load_hf(path, mesh=None)` → model, `model(tokens)` → logits,
+`meshtrain.build_tokenizer(path)`, `meshtrain.generate(model, tokenizer, prompt, max_new_tokens)`
+and `meshtrain.export_hf(params, model_cfg, out_dir, tokenizer)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "load_hf": ("meshtrain.hf.model", "load_hf"),
+    "export_hf": ("meshtrain.hf.export", "export_hf"),
+    "build_tokenizer": ("meshtrain.data.tokenizer", "build_tokenizer"),
+    "generate": ("meshtrain.generate", None),  # the module, which is callable as the function
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'meshtrain' has no attribute {name!r}")
+    module_name, attribute = _LAZY[name]
+    module = importlib.import_module(module_name)
+    return module if attribute is None else getattr(module, attribute)

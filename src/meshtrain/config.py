@@ -63,6 +63,42 @@ class ModelConfig:
     """Reuse the token embedding as the output projection."""
     init_std: float = 0.02
     """Standard deviation of the normal initialiser for weight matrices."""
+    family: str = "llama"
+    """Architecture family, for Hugging Face import and export: llama, qwen3 or gemma3."""
+    max_seq_len: int = 2048
+    """Longest sequence the model is made for (HF max_position_embeddings); bounds data.seq_len."""
+    attention_pattern: list[str] = field(default_factory=lambda: ["global"])
+    """Layer i attends as attention_pattern[i % len]: global (all earlier tokens) or local (window)."""
+    sliding_window: int | None = None
+    """Tokens a local layer's query sees, itself included; required when a layer is local."""
+    rope_local_theta: float | None = None
+    """RoPE base of local layers; null: rope_theta."""
+    rope_scaling: str = "none"
+    """RoPE frequency scaling of the global layers: none, linear or llama3."""
+    rope_scaling_factor: float = 1.0
+    """Frequency divisor of linear and llama3 RoPE scaling."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above original_max_len / this are divided by the factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below original_max_len / this are kept."""
+    rope_original_max_len: int = 8192
+    """llama3 scaling: the context length the model was pre-trained with."""
+    qk_norm: bool = False
+    """RMSNorm over head_dim on queries and keys, before RoPE (Gemma 3, Qwen 3)."""
+    post_norms: bool = False
+    """RMSNorm on the attention and MLP outputs before each residual add (Gemma 3)."""
+    norm_scale_offset: float = 0.0
+    """RMSNorm multiplies by (offset + scale); Gemma stores scale - 1 and uses offset 1."""
+    scale_embeddings: bool = False
+    """Multiply the token embeddings by sqrt(d_model) (Gemma)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by 1/sqrt(this); null: head_dim."""
+    remat: str = "none"
+    """Activation recomputation per block: none, full, dots_saveable or minimal (docs/models.md)."""
+    scan_layers: bool = False
+    """Stack the blocks' parameters on a `layers` axis and run them in a lax.scan (flat compile time)."""
+    init_from: str | None = None
+    """hf:/path/to/dir: start from a local Hugging Face checkpoint; null: random init."""
 
 
 @dataclass
@@ -74,7 +110,7 @@ class DataConfig:
     glob: str = "**/*.py"
     """Pattern, relative to `path`, of the documents to read."""
     tokenizer: str = "byte"
-    """Tokenizer: byte (256 byte values plus pad, bos and eos)."""
+    """byte (256 byte values plus pad, bos, eos), a tokenizer.json, a sentencepiece .model, or an HF dir."""
     seq_len: int = 128
     """Tokens per training sequence (each example holds seq_len + 1 tokens: inputs and shifted targets)."""
     validation_fraction: float = 0.05

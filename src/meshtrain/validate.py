@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from meshtrain.config import Config
 from meshtrain.errors import ConfigError
+from meshtrain.hf.checkpoint import check_init_from
+from meshtrain.hf.config import FAMILIES
 from meshtrain.mesh import MeshSpec
-from meshtrain.models.transformer import ACTIVATIONS
+from meshtrain.models.layers import ROPE_SCALINGS
+from meshtrain.models.transformer import ACTIVATIONS, LAYER_KINDS, REMAT_POLICIES
 from meshtrain.sharding import check_rules, mesh_axes_for
 from meshtrain.train.guard import NONFINITE_MODES
 from meshtrain.train.optimizer import LR_SCHEDULES
@@ -55,6 +58,7 @@ def check_config(cfg: Config) -> None:
     _one_of("model.mlp_activation", model.mlp_activation, ACTIVATIONS)
     _positive("model.rope_theta", model.rope_theta)
     check_rules(model.logical_axis_rules)
+    _check_model_flavour(cfg)
 
     # data.source and data.tokenizer are checked where they are built (meshtrain.data).
     _positive("data.seq_len", data.seq_len)
@@ -95,6 +99,47 @@ def check_config(cfg: Config) -> None:
     )
     if training.global_batch_size is not None:
         _positive("training.global_batch_size", training.global_batch_size)
+
+
+def _check_model_flavour(cfg: Config) -> None:
+    """The fields that select a model family's features (configs/model/*.yaml)."""
+    model = cfg.model
+    _one_of("model.family", model.family, FAMILIES)
+    pattern = "[" + ",".join(model.attention_pattern) + "]"
+    _require(
+        bool(model.attention_pattern) and all(k in LAYER_KINDS for k in model.attention_pattern),
+        f"model.attention_pattern={pattern} must be a non-empty list of "
+        f"{' and '.join(LAYER_KINDS)}, e.g. [local,local,local,local,local,global]",
+    )
+    if "local" in model.attention_pattern:
+        window = "null" if model.sliding_window is None else model.sliding_window
+        _require(
+            model.sliding_window is not None and model.sliding_window > 0,
+            f"model.sliding_window={window} must be a positive number of tokens because "
+            f"model.attention_pattern={pattern} has local layers",
+        )
+    if model.rope_local_theta is not None:
+        _positive("model.rope_local_theta", model.rope_local_theta)
+    _one_of("model.rope_scaling", model.rope_scaling, ROPE_SCALINGS)
+    _positive("model.rope_scaling_factor", model.rope_scaling_factor)
+    if model.rope_scaling == "llama3":
+        _require(
+            model.rope_high_freq_factor > model.rope_low_freq_factor > 0,
+            f"model.rope_high_freq_factor={model.rope_high_freq_factor} must be greater than "
+            f"model.rope_low_freq_factor={model.rope_low_freq_factor} > 0 for llama3 scaling",
+        )
+        _positive("model.rope_original_max_len", model.rope_original_max_len)
+    if model.query_pre_attn_scalar is not None:
+        _positive("model.query_pre_attn_scalar", model.query_pre_attn_scalar)
+    _one_of("model.remat", model.remat, tuple(REMAT_POLICIES))
+    _positive("model.max_seq_len", model.max_seq_len)
+    _require(
+        cfg.data.seq_len <= model.max_seq_len,
+        f"data.seq_len={cfg.data.seq_len} is longer than model.max_seq_len={model.max_seq_len} "
+        f"of model {model.name}; use data.seq_len <= {model.max_seq_len}",
+    )
+    if model.init_from is not None:
+        check_init_from(model)
 
 
 def _divisors_of_all(values: list[int]) -> list[int]:

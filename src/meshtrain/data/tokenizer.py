@@ -1,17 +1,41 @@
-"""Tokenizers that turn document text into int32 ids; `byte` is UTF-8 bytes plus three specials."""
+"""Tokenizers that turn document text into int32 ids: `byte` (UTF-8 bytes plus three specials),
+a Hugging Face tokenizer.json, or a sentencepiece .model file.
+
+The special tokens come from the tokenizer itself: for tokenizer.json from the
+tokenizer_config.json beside it (as Hugging Face checkpoints ship it), else from the usual names
+(<bos>, <s>, <|begin_of_text|>, ...). An id of -1 means the tokenizer has no such token: no bos
+(Qwen) packs documents as doc + eos; no pad drops the incomplete last window instead of padding it.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+import sentencepiece
+from tokenizers import Tokenizer as HFTokenizerModel
+
+NO_TOKEN = -1
+# Spellings of the special tokens in common tokenizers, tried in order when no
+# tokenizer_config.json names them (Gemma, Llama 2, Llama 3, GPT-2 / Qwen).
+_USUAL_NAMES = {
+    "bos": ("<bos>", "<s>", "<|begin_of_text|>"),
+    "eos": ("<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>"),
+    "pad": ("<pad>", "<|finetune_right_pad_id|>", "[PAD]"),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# Files that come with a tokenizer in a Hugging Face directory; export copies those present.
+COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 class Tokenizer(Protocol):
-    vocab_size: int
-    pad_id: int
-    bos_id: int
+    vocab_size: int  # ids are in [0, vocab_size), special tokens included
+    pad_id: int  # NO_TOKEN (-1) if there is none
+    bos_id: int  # NO_TOKEN (-1) if there is none
     eos_id: int
+    source_files: tuple[Path, ...]  # what export copies next to the weights
 
     def encode(self, text: str) -> np.ndarray: ...
     def encode_bytes(self, data: bytes) -> np.ndarray: ...
@@ -25,6 +49,7 @@ class ByteTokenizer:
     bos_id = 257
     eos_id = 258
     vocab_size = 259
+    source_files: tuple[Path, ...] = ()
 
     def encode(self, text: str) -> np.ndarray:
         """Returns the UTF-8 bytes of `text` as int32 ids, without specials."""
@@ -45,8 +70,112 @@ class ByteTokenizer:
         )
 
 
+def _distinct_pad(pad_id: int, bos_id: int, eos_id: int) -> int:
+    """A pad that is also bos or eos (Qwen pads with <|endoftext|>) would hide those tokens from
+    the loss, so it counts as no pad at all."""
+    return NO_TOKEN if pad_id in (bos_id, eos_id) else pad_id
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer.json (BPE, Unigram, WordPiece...)."""
+
+    def __init__(self, path: Path):
+        self._tokenizer = HFTokenizerModel.from_file(str(path))
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        config_file = path.parent / "tokenizer_config.json"
+        named = _configured_tokens(config_file) if config_file.is_file() else {}
+        ids = {}
+        for role, names in _USUAL_NAMES.items():
+            candidates = (named[role],) if role in named else names
+            found = [self._tokenizer.token_to_id(n) for n in candidates if n is not None]
+            ids[role] = next((i for i in found if i is not None), NO_TOKEN)
+        if ids["eos"] == NO_TOKEN:
+            raise ValueError(
+                f"data.tokenizer={str(path)!r} has no end-of-sequence token; name it as eos_token "
+                f"in {config_file}"
+            )
+        self.bos_id, self.eos_id = ids["bos"], ids["eos"]
+        self.pad_id = _distinct_pad(ids["pad"], self.bos_id, self.eos_id)
+        self.source_files = (
+            path,
+            *[f for f in (path.parent / n for n in COMPANION_FILES) if f.is_file()],
+        )
+
+    def special_tokens(self) -> dict[str, str]:
+        """{"bos_token": "<bos>", ...}: the special tokens that exist, as tokenizer_config.json names them."""
+        ids = {"bos": self.bos_id, "eos": self.eos_id, "pad": self.pad_id}
+        return {f"{r}_token": self._tokenizer.id_to_token(i) for r, i in ids.items() if i >= 0}
+
+    def encode(self, text: str) -> np.ndarray:
+        """Returns the ids of `text` without specials (packing adds bos and eos)."""
+        return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def encode_bytes(self, data: bytes) -> np.ndarray:
+        """Returns the ids of a file's UTF-8 text; invalid bytes become U+FFFD."""
+        return self.encode(data.decode("utf-8", errors="replace"))
+
+    def decode(self, ids: np.ndarray | list[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _configured_tokens(config_file: Path) -> dict[str, str | None]:
+    """bos/eos/pad token strings named in a tokenizer_config.json (a string or {"content": ...})."""
+    config = json.loads(config_file.read_text())
+    named = {}
+    for role in _USUAL_NAMES:
+        if f"{role}_token" in config:
+            value = config[f"{role}_token"]
+            named[role] = value.get("content") if isinstance(value, dict) else value
+    return named
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece .model file (Gemma, Llama 2); its special ids are in the model itself."""
+
+    def __init__(self, path: Path):
+        self._processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        self.vocab_size = self._processor.get_piece_size()
+        self.bos_id, self.eos_id = self._processor.bos_id(), self._processor.eos_id()
+        if self.eos_id < 0:
+            raise ValueError(
+                f"data.tokenizer={str(path)!r} has no end-of-sequence token; train it with an eos_id"
+            )
+        self.pad_id = _distinct_pad(self._processor.pad_id(), self.bos_id, self.eos_id)
+        self.source_files = (path,)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._processor.encode(text), np.int32)
+
+    def encode_bytes(self, data: bytes) -> np.ndarray:
+        return self.encode(data.decode("utf-8", errors="replace"))
+
+    def decode(self, ids: np.ndarray | list[int]) -> str:
+        return self._processor.decode([int(i) for i in ids])
+
+
 def build_tokenizer(name: str) -> Tokenizer:
-    """Returns the tokenizer named by `data.tokenizer`."""
+    """Returns the tokenizer named by `data.tokenizer`: byte, a tokenizer.json, a sentencepiece
+    .model, or a directory holding one of them (a Hugging Face checkpoint)."""
     if name == "byte":
         return ByteTokenizer()
-    raise ValueError(f"data.tokenizer={name!r} is not supported; use data.tokenizer=byte")
+    path = Path(name).expanduser()
+    if path.is_dir():
+        found = [path / f for f in TOKENIZER_FILES if (path / f).is_file()]
+        if not found:
+            raise ValueError(
+                f"data.tokenizer={name!r} is a directory without {' or '.join(TOKENIZER_FILES)}"
+            )
+        path = found[0]
+    if not path.is_file():
+        raise ValueError(
+            f"data.tokenizer={name!r} is not supported; use byte, a tokenizer.json file, a "
+            "sentencepiece .model file, or a directory holding one"
+        )
+    if path.suffix == ".json":
+        return HFTokenizer(path)
+    if path.suffix == ".model":
+        return SentencePieceTokenizer(path)
+    raise ValueError(
+        f"data.tokenizer={name!r}: unknown tokenizer file type {path.suffix!r}; use a "
+        "tokenizer.json (Hugging Face tokenizers) or a .model (sentencepiece) file"
+    )

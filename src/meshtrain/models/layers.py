@@ -7,12 +7,15 @@ N query heads, K key/value heads, G query heads per key/value head, H head_dim, 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from meshtrain.sharding import Rules, constrain
+
+ROPE_SCALINGS = ("none", "linear", "llama3")
 
 
 def normal_param(
@@ -25,32 +28,93 @@ def normal_param(
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm (https://arxiv.org/abs/1910.07467), computed in fp32."""
+    """Root-mean-square norm (https://arxiv.org/abs/1910.07467), computed in fp32.
 
-    def __init__(self, dim: int, *, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=("norm",))
+    The output is multiplied by (scale_offset + scale). Gemma stores its scales as "scale - 1"
+    (initialised to 0) and uses scale_offset=1; everyone else stores the scale itself.
+    """
+
+    def __init__(self, dim: int, *, eps: float, scale_offset: float = 0.0):
+        self.scale = nnx.Param(
+            jnp.full((dim,), 1.0 - scale_offset, jnp.float32), logical_axes=("norm",)
+        )
         self.eps = eps
+        self.scale_offset = scale_offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...]).astype(x.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        if self.scale_offset:
+            scale = scale + self.scale_offset
+        return (normed * scale).astype(x.dtype)
 
 
-def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding frequencies of one kind of layer (hashable: it is static module data)."""
+
+    theta: float
+    scaling: str = "none"  # one of ROPE_SCALINGS
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def inv_freq(self, head_dim: int) -> jax.Array:
+        """Angular frequency of each rotated pair, fp32 [H/2].
+
+        linear: every frequency divided by the factor (positions interpolated), as Gemma 3's
+        global layers. llama3: Llama 3.1's rule (the `_compute_llama3_parameters` of Hugging Face
+        transformers): wavelengths longer than original_max_len / low_freq_factor are divided by
+        the factor, shorter than original_max_len / high_freq_factor kept, and those in between
+        interpolated smoothly.
+        """
+        half = head_dim // 2
+        inv_freq = self.theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+        if self.scaling == "linear":
+            return inv_freq / self.factor
+        if self.scaling == "llama3":
+            wavelen = 2 * jnp.pi / inv_freq
+            low_freq_wavelen = self.original_max_len / self.low_freq_factor
+            high_freq_wavelen = self.original_max_len / self.high_freq_factor
+            scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+            smooth = (self.original_max_len / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+            return jnp.where(medium, smoothed, scaled)
+        return inv_freq
+
+
+def rope_angles(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """sin and cos of position × frequency, fp32 [B, T, 1, H/2] each. positions: [B, T]."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    return jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+
+
+def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
     """Rotary position embedding (https://arxiv.org/abs/2104.09864), "rotate half" layout as in
     Llama and Hugging Face: dimension i pairs with i + head_dim/2.
 
-    x: [B, T, heads, H]; positions: [B, T].
+    x: [B, T, heads, H]; sin, cos: [B, T, 1, H/2].
     """
     half = x.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [H/2]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
-    sin = jnp.sin(angles)[:, :, None, :]  # [B, T, 1, H/2]
-    cos = jnp.cos(angles)[:, :, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
+
+
+def causal_mask(length: int, window: int | None) -> jax.Array:
+    """bool [T, S]: query t sees key s <= t, and with a window only the last `window` keys
+    (s > t - window, the convention of Hugging Face's sliding-window mask)."""
+    t = jnp.arange(length)[:, None]
+    s = jnp.arange(length)[None, :]
+    mask = s <= t
+    if window is not None:
+        mask = mask & (s > t - window)
+    return mask
 
 
 class Attention(nnx.Module):
@@ -63,13 +127,17 @@ class Attention(nnx.Module):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        rope_theta: float,
+        query_pre_attn_scalar: float | None,
+        qk_norm: bool,
+        norm_eps: float,
+        norm_scale_offset: float,
         init_std: float,
         rules: Rules,
         rngs: nnx.Rngs,
     ):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.rope_theta = rope_theta
+        # Scores are divided by sqrt(head_dim) unless the model says otherwise (Gemma 3 27B: 168).
+        self.score_scale_dim = query_pre_attn_scalar or head_dim
         self.rules = rules
         self.q = normal_param(
             rngs, (d_model, num_heads, head_dim), ("embed", "heads", "head_dim"), init_std
@@ -83,9 +151,14 @@ class Attention(nnx.Module):
         self.o = normal_param(
             rngs, (num_heads, head_dim, d_model), ("heads", "head_dim", "embed"), init_std
         )
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps=norm_eps, scale_offset=norm_scale_offset)
+            self.k_norm = RMSNorm(head_dim, eps=norm_eps, scale_offset=norm_scale_offset)
+        else:
+            self.q_norm = self.k_norm = None
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """x: [B, T, D] → [B, T, D]."""
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, mask: jax.Array) -> jax.Array:
+        """x: [B, T, D] → [B, T, D]; sin, cos: [B, T, 1, H/2] (rope_angles); mask: bool [T, S]."""
         dtype = x.dtype
         q = jnp.einsum("BTD,DNH->BTNH", x, self.q[...].astype(dtype))
         k = jnp.einsum("BSD,DKH->BSKH", x, self.k[...].astype(dtype))
@@ -93,17 +166,18 @@ class Attention(nnx.Module):
         q = constrain(q, ("batch", "length", "heads", None), self.rules)
         k = constrain(k, ("batch", "length", "kv_heads", None), self.rules)
         v = constrain(v, ("batch", "length", "kv_heads", None), self.rules)
-        q = rotary_embedding(q, positions, self.rope_theta)
-        k = rotary_embedding(k, positions, self.rope_theta)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, sin, cos)
+        k = apply_rope(k, sin, cos)
 
         batch, length = x.shape[:2]
         groups = self.num_heads // self.num_kv_heads
         # Query head n = k * G + g, so splitting N into (K, G) keeps the tp sharding on K.
         q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)  # [B, T, K, G, H]
         scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k).astype(jnp.float32)
-        scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))  # [T, S]
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        scores = scores / jnp.sqrt(jnp.float32(self.score_scale_dim))
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
         out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
         out = out.reshape(batch, length, self.num_heads, self.head_dim)  # [B, T, N, H]
@@ -112,8 +186,8 @@ class Attention(nnx.Module):
 
 
 class GatedMLP(nnx.Module):
-    """Gated MLP: down(act(x·gate) * (x·up)); act=silu is SwiGLU, act=gelu is GeGLU
-    (https://arxiv.org/abs/2002.05202)."""
+    """Gated MLP: down(act(x·gate) * (x·up)); act=silu is SwiGLU, act=gelu (tanh approximation,
+    Hugging Face's gelu_pytorch_tanh) is GeGLU (https://arxiv.org/abs/2002.05202)."""
 
     def __init__(
         self,

@@ -1,35 +1,101 @@
-"""Decoder-only transformer language model in Flax NNX, configured by `ModelConfig`."""
+"""Decoder-only transformer language model in Flax NNX, configured by `ModelConfig`.
+
+One implementation for every flavour: Llama 3 (GQA, SwiGLU, llama3 RoPE scaling), Qwen 3 (plus
+QK-norm) and Gemma 3 (plus local/global layers with their own RoPE bases, sandwich norms, GeGLU,
+embedding scaling and (1 + w) norm scales) differ only in their `ModelConfig`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from meshtrain.config import ModelConfig
-from meshtrain.models.layers import Attention, GatedMLP, RMSNorm, normal_param
+from meshtrain.models.layers import (
+    Attention,
+    GatedMLP,
+    RMSNorm,
+    RopeSpec,
+    causal_mask,
+    normal_param,
+    rope_angles,
+)
 from meshtrain.sharding import constrain
 
 ACTIVATIONS = ("silu", "gelu")
+LAYER_KINDS = ("global", "local")  # global: full causal attention; local: sliding window
+# jax.checkpoint policy per model.remat value: what the backward pass may read from the forward
+# pass of a block instead of recomputing it (the block's input is always saved).
+REMAT_POLICIES = {
+    "none": None,  # no remat: every intermediate is kept
+    "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,  # keep every matmul output
+    # keep the projections' outputs (matmuls without batch dimensions), recompute attention
+    # scores and probabilities ([B, K, G, T, S], the largest activations) and element-wise ops
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def layer_kinds(cfg: ModelConfig) -> tuple[str, ...]:
+    """ "global" or "local" for each layer: the attention pattern repeated over the depth."""
+    pattern = cfg.attention_pattern
+    return tuple(pattern[i % len(pattern)] for i in range(cfg.num_layers))
+
+
+def rope_specs(cfg: ModelConfig) -> dict[str, RopeSpec]:
+    """RoPE per layer kind: scaling applies to global layers only (as in Gemma 3)."""
+    return {
+        "global": RopeSpec(
+            theta=cfg.rope_theta,
+            scaling=cfg.rope_scaling,
+            factor=cfg.rope_scaling_factor,
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_len=cfg.rope_original_max_len,
+        ),
+        "local": RopeSpec(theta=cfg.rope_local_theta or cfg.rope_theta),
+    }
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Number of parameters, from abstract one- and two-block models (fast at any depth)."""
+
+    def count(num_layers: int) -> int:
+        one = dataclasses.replace(cfg, num_layers=num_layers, scan_layers=False)
+        abstract = nnx.eval_shape(lambda: Transformer(one, rngs=nnx.Rngs(0)))
+        return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+    one_block, two_blocks = count(1), count(2)
+    return one_block + (cfg.num_layers - 1) * (two_blocks - one_block)
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); with post_norms
+    (Gemma's sandwich) each branch's output is normalised too before it is added."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         rules = cfg.logical_axis_rules
-        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        norm = dict(eps=cfg.norm_eps, scale_offset=cfg.norm_scale_offset)
+        self.attn_norm = RMSNorm(cfg.d_model, **norm)
         self.attn = Attention(
             d_model=cfg.d_model,
             num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
-            rope_theta=cfg.rope_theta,
+            query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+            qk_norm=cfg.qk_norm,
+            norm_eps=cfg.norm_eps,
+            norm_scale_offset=cfg.norm_scale_offset,
             init_std=cfg.init_std,
             rules=rules,
             rngs=rngs,
         )
-        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.d_model, **norm)
         self.mlp = GatedMLP(
             d_model=cfg.d_model,
             mlp_dim=cfg.mlp_dim,
@@ -38,30 +104,66 @@ class Block(nnx.Module):
             rules=rules,
             rngs=rngs,
         )
+        if cfg.post_norms:
+            self.attn_post_norm = RMSNorm(cfg.d_model, **norm)
+            self.mlp_post_norm = RMSNorm(cfg.d_model, **norm)
+        else:
+            self.attn_post_norm = self.mlp_post_norm = None
         self.rules = rules
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), positions)
-        x = constrain(x, ("batch", "length", None), self.rules)
-        x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, ("batch", "length", None), self.rules)
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, mask: jax.Array) -> jax.Array:
+        """x: [B, T, D] → [B, T, D]; sin, cos and mask of this layer's kind (see Attention)."""
+        attn = self.attn(self.attn_norm(x), sin, cos, mask)
+        if self.attn_post_norm is not None:
+            attn = self.attn_post_norm(attn)
+        x = constrain(x + attn, ("batch", "length", None), self.rules)
+        mlp = self.mlp(self.mlp_norm(x))
+        if self.mlp_post_norm is not None:
+            mlp = self.mlp_post_norm(mlp)
+        return constrain(x + mlp, ("batch", "length", None), self.rules)
+
+
+def stack_blocks(blocks: list[Block]) -> Block:
+    """One Block whose parameters are those of `blocks` stacked on a leading `layers` axis."""
+    graphdef = nnx.graphdef(blocks[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in blocks])
+    for variable in jax.tree.leaves(stacked, is_leaf=lambda v: isinstance(v, nnx.Variable)):
+        variable.set_metadata(logical_axes=("layers", *variable.get_metadata()["logical_axes"]))
+    return nnx.merge(graphdef, stacked)
 
 
 class Transformer(nnx.Module):
-    """tokens [B, T] int32 → logits [B, T, V] in the compute dtype of the parameters."""
+    """tokens [B, T] int32 → logits [B, T, V] in the compute dtype of the parameters.
+
+    With scan_layers, `blocks` is one Block whose parameters carry a leading [num_layers] axis,
+    run by a lax.scan (one block is compiled whatever the depth); otherwise a list of Blocks.
+    Both hold the same random initial values for the same seed.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.rules = cfg.logical_axis_rules
         self.embed = normal_param(
             rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std
         )
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        blocks = [Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)]
+        self.scan_layers = cfg.scan_layers
+        self.blocks = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, scale_offset=cfg.norm_scale_offset)
         self.lm_head = (
             None
             if cfg.tie_embeddings
             else normal_param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
         )
+        # Gemma computes sqrt(d_model) in fp32, then rounds it to the compute dtype.
+        self.embed_scale = (
+            float(np.float32(math.sqrt(cfg.d_model))) if cfg.scale_embeddings else None
+        )
+        self.head_dim = cfg.head_dim
+        self.layer_kinds = layer_kinds(cfg)
+        self.kinds_used = tuple(k for k in LAYER_KINDS if k in self.layer_kinds)
+        self.rope = rope_specs(cfg)
+        self.sliding_window = cfg.sliding_window
+        self.remat = cfg.remat
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         embed = self.embed[...]
@@ -69,12 +171,46 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         x = jnp.take(embed, tokens, axis=0)  # [B, T, D]
+        if self.embed_scale is not None:
+            x = x * jnp.asarray(self.embed_scale, dtype)
         x = constrain(x, ("batch", "length", None), self.rules)
-        for block in self.blocks:
-            x = block(x, positions)
+        # RoPE angles and masks depend only on the layer kind: computed once, shared by the layers.
+        length = tokens.shape[1]
+        per_kind = []
+        for kind in self.kinds_used:
+            sin, cos = rope_angles(positions, self.rope[kind].inv_freq(self.head_dim))
+            window = self.sliding_window if kind == "local" else None
+            per_kind.append((sin, cos, causal_mask(length, window)))
+        kind_index = [self.kinds_used.index(k) for k in self.layer_kinds]
+        x = self._run_blocks(x, per_kind, kind_index)
         x = self.final_norm(x)
         if self.lm_head is None:
             logits = jnp.einsum("BTD,VD->BTV", x, embed)
         else:
             logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(dtype))
         return constrain(logits, ("batch", "length", "vocab"), self.rules)
+
+    def _run_blocks(self, x: jax.Array, per_kind: list, kind_index: list[int]) -> jax.Array:
+        policy = REMAT_POLICIES[self.remat]
+        if not self.scan_layers:
+            if self.remat == "none":
+                for block, kind in zip(self.blocks, kind_index, strict=True):
+                    x = block(x, *per_kind[kind])
+                return x
+            apply = nnx.remat(lambda block, x, *ctx: block(x, *ctx), policy=policy)
+            for block, kind in zip(self.blocks, kind_index, strict=True):
+                x = apply(block, x, *per_kind[kind])
+            return x
+
+        graphdef, stacked = nnx.split(self.blocks)
+        tables = jax.tree.map(lambda *xs: jnp.stack(xs), *per_kind)  # leading [kinds] axis
+
+        def layer(x: jax.Array, params_and_kind) -> tuple[jax.Array, None]:
+            params, kind = params_and_kind
+            sin, cos, mask = (t[kind] for t in tables)
+            return nnx.merge(graphdef, params)(x, sin, cos, mask), None
+
+        if self.remat != "none":
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+        x, _ = jax.lax.scan(layer, x, (stacked, jnp.asarray(kind_index, jnp.int32)))
+        return x

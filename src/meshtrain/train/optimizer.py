@@ -33,8 +33,11 @@ def learning_rate_schedule(cfg: TrainingConfig) -> optax.Schedule:
 
 
 def decay_mask(params):
-    """Weight decay on matrices only: norms' scales (1-D) are left alone."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    """Weight decay on matrices only: norms' scales are left alone. They are 1-D, or [layers, dim]
+    when model.scan_layers stacks the blocks, and always named `scale`."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: p.ndim >= 2 and getattr(path[-1], "key", None) != "scale", params
+    )
 
 
 def build_optimizer(cfg: TrainingConfig) -> optax.GradientTransformation:

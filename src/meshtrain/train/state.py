@@ -12,6 +12,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.config import ModelConfig
+from meshtrain.hf.checkpoint import checkpoint_dir, load_params
 from meshtrain.mesh import MeshSpec
 from meshtrain.models.transformer import Transformer
 from meshtrain.sharding import check_divisible, named_shardings, param_specs
@@ -110,8 +111,12 @@ def create_train_state(
     """Initialises parameters and optimizer state inside one jit whose outputs are sharded, so
     each device only ever materialises its own shards. The random values do not depend on the
     mesh (jax's partitionable threefry), which keeps losses identical across mesh shapes.
-
+    With model.init_from=hf:/dir the parameters are read from that checkpoint, shard by shard.
     Given `params` (already sharded, e.g. loaded for fine-tuning), only the rest is created."""
+    if params is None and cfg.init_from is not None:
+        params = load_params(
+            checkpoint_dir(cfg.init_from), cfg, plan.abstract_params, plan.param_shardings
+        )
     if params is not None:
         return jax.jit(lambda p: _state_from_params(p, tx, seed), out_shardings=shardings)(params)
 

@@ -1,0 +1,390 @@
+"""Hugging Face config.json ↔ the architecture fields of `ModelConfig`, for llama, qwen3 and gemma3.
+
+Reads both the published format (rope_theta, rope_scaling, rope_local_base_freq,
+sliding_window_pattern; transformers 4.x) and the transformers 5 format (rope_parameters,
+layer_types); writes the published format, which both load. Keys a published config leaves out
+take the defaults of the transformers config class of its model_type (Gemma 3 4B/12B/27B rely on
+them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from meshtrain.config import ModelConfig
+from meshtrain.errors import ConfigError
+
+FAMILIES = ("llama", "qwen3", "gemma3")
+_FAMILY_OF_MODEL_TYPE = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+_MODEL_TYPE = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+_ARCHITECTURE = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+# Defaults of transformers' LlamaConfig, Qwen3Config and Gemma3TextConfig for the keys we read.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+    },
+    "qwen3": {
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+    },
+    "gemma3": {
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+    },
+}
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}
+_ACTIVATION_NAMES = {"silu": "silu", "gelu": "gelu_pytorch_tanh"}
+
+# ModelConfig field → how config.json calls it, for error messages.
+HF_NAMES = {
+    "family": "model_type",
+    "vocab_size": "vocab_size",
+    "d_model": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "mlp_dim": "intermediate_size",
+    "mlp_activation": "hidden_act (Gemma: hidden_activation)",
+    "rope_theta": "rope_theta",
+    "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+    "max_seq_len": "max_position_embeddings",
+    "attention_pattern": "layer_types",
+    "sliding_window": "sliding_window",
+    "rope_local_theta": "rope_local_base_freq",
+    "rope_scaling": "rope_scaling.rope_type",
+    "rope_scaling_factor": "rope_scaling.factor",
+    "rope_low_freq_factor": "rope_scaling.low_freq_factor",
+    "rope_high_freq_factor": "rope_scaling.high_freq_factor",
+    "rope_original_max_len": "rope_scaling.original_max_position_embeddings",
+    "qk_norm": "model_type",
+    "post_norms": "model_type",
+    "norm_scale_offset": "model_type",
+    "scale_embeddings": "model_type",
+    "query_pre_attn_scalar": "query_pre_attn_scalar",
+}
+# Only the fields a family's architecture fixes; the rest are free (scaling only when used).
+_FAMILY_FEATURES: dict[str, dict[str, Any]] = {
+    "llama": dict(qk_norm=False, post_norms=False, norm_scale_offset=0.0, scale_embeddings=False),
+    "qwen3": dict(qk_norm=True, post_norms=False, norm_scale_offset=0.0, scale_embeddings=False),
+    "gemma3": dict(qk_norm=True, post_norms=True, norm_scale_offset=1.0, scale_embeddings=True),
+}
+
+
+def read_config_json(directory: Path) -> dict[str, Any]:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"{path} does not exist; a Hugging Face checkpoint directory holds config.json"
+        )
+    return json.loads(path.read_text())
+
+
+def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: Gemma 3 4B/12B/27B nest it under text_config."""
+    if "text_config" in hf:
+        text = dict(hf["text_config"])
+        text.setdefault("model_type", "gemma3_text" if hf.get("model_type") == "gemma3" else None)
+        for key in ("tie_word_embeddings",):
+            if key in hf and key not in text:
+                text[key] = hf[key]
+        return text
+    return hf
+
+
+def family_of(hf: dict[str, Any], source: str) -> str:
+    model_type = _text_config(hf).get("model_type")
+    if model_type not in _FAMILY_OF_MODEL_TYPE:
+        raise ConfigError(
+            f"{source}: model_type {model_type!r} is not supported; meshtrain reads "
+            f"{', '.join(_FAMILY_OF_MODEL_TYPE)} checkpoints"
+        )
+    return _FAMILY_OF_MODEL_TYPE[model_type]
+
+
+def _rope(text: dict[str, Any], family: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(global, local) RoPE parameters as {rope_type, rope_theta, factor, ...}."""
+    defaults = _DEFAULTS[family]
+    params = text.get("rope_parameters")
+    if params is not None and "full_attention" in params:  # transformers 5, per layer type
+        return dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+    if params is not None:  # transformers 5, one set for every layer
+        return dict(params), {}
+    scaling = dict(text.get("rope_scaling") or {})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    scaling["rope_theta"] = text.get("rope_theta", defaults["rope_theta"])
+    local = {}
+    if family == "gemma3":
+        local = {
+            "rope_type": "default",
+            "rope_theta": text.get("rope_local_base_freq", defaults["rope_local_base_freq"]),
+        }
+    return scaling, local
+
+
+def _layer_kinds(text: dict[str, Any], family: str, num_layers: int) -> list[str]:
+    if family != "gemma3":
+        if text.get("use_sliding_window"):
+            raise ConfigError("use_sliding_window=true (Qwen sliding layers) is not supported")
+        return ["global"] * num_layers
+    if text.get("layer_types"):
+        kinds = {"sliding_attention": "local", "full_attention": "global"}
+        return [kinds[t] for t in text["layer_types"]]
+    period = text.get(
+        "sliding_window_pattern",
+        text.get("_sliding_window_pattern", _DEFAULTS[family]["sliding_window_pattern"]),
+    )
+    return ["local" if (i + 1) % period else "global" for i in range(num_layers)]
+
+
+def _shortest_period(kinds: list[str]) -> list[str]:
+    """The shortest pattern whose repetition gives `kinds` (Gemma 3: 5 local, 1 global)."""
+    for period in range(1, len(kinds) + 1):
+        if all(kind == kinds[i % period] for i, kind in enumerate(kinds)):
+            return kinds[:period]
+    return kinds
+
+
+def architecture_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """ModelConfig fields (architecture only, no mesh or training choices) of an HF config.json."""
+    family = family_of(hf, source)
+    text = {**_DEFAULTS[family], **{k: v for k, v in _text_config(hf).items() if v is not None}}
+    unsupported = {
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+    }
+    for key, expected in unsupported.items():
+        if text.get(key, expected) != expected:
+            raise ConfigError(f"{source}: {key}={text[key]!r} is not supported (only {expected})")
+    activation = text.get("hidden_activation", text.get("hidden_act"))
+    if activation not in _ACTIVATIONS:
+        raise ConfigError(f"{source}: activation {activation!r} is not supported; use silu or gelu")
+    num_heads = text["num_attention_heads"]
+    num_layers = text["num_hidden_layers"]
+    global_rope, local_rope = _rope(text, family)
+    rope_type = global_rope.get("rope_type", "default")
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ConfigError(
+            f"{source}: RoPE type {rope_type!r} is not supported; use linear or llama3"
+        )
+    if global_rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{source}: partial_rotary_factor is not supported")
+    kinds = _layer_kinds(text, family, num_layers)
+    fields: dict[str, Any] = {
+        "family": family,
+        "vocab_size": text["vocab_size"],
+        "d_model": text["hidden_size"],
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "num_kv_heads": text.get("num_key_value_heads") or num_heads,
+        "head_dim": text.get("head_dim") or text["hidden_size"] // num_heads,
+        "mlp_dim": text["intermediate_size"],
+        "mlp_activation": _ACTIVATIONS[activation],
+        "rope_theta": float(global_rope["rope_theta"]),
+        "norm_eps": float(text["rms_norm_eps"]),
+        "tie_embeddings": bool(text["tie_word_embeddings"]),
+        "max_seq_len": text["max_position_embeddings"],
+        "attention_pattern": _shortest_period(kinds),
+        "sliding_window": text.get("sliding_window") if "local" in kinds else None,
+        "rope_local_theta": float(local_rope["rope_theta"]) if local_rope else None,
+        "rope_scaling": {"default": "none"}.get(rope_type, rope_type),
+        "rope_scaling_factor": float(global_rope.get("factor", 1.0)),
+        "rope_low_freq_factor": float(global_rope.get("low_freq_factor", 1.0)),
+        "rope_high_freq_factor": float(global_rope.get("high_freq_factor", 4.0)),
+        "rope_original_max_len": int(global_rope.get("original_max_position_embeddings", 8192)),
+        "query_pre_attn_scalar": (
+            float(text["query_pre_attn_scalar"]) if family == "gemma3" else None
+        ),
+        **_FAMILY_FEATURES[family],
+    }
+    if len(kinds) != num_layers:
+        raise ConfigError(f"{source}: layer_types has {len(kinds)} entries for {num_layers} layers")
+    return fields
+
+
+def _comparable(model: ModelConfig) -> dict[str, Any]:
+    """The architecture of `model` with the values that do not change the computation normalised
+    (an unused window or scaling factor, rope_local_theta null meaning rope_theta...)."""
+    values = {key: getattr(model, key) for key in HF_NAMES}
+    kinds = [
+        model.attention_pattern[i % len(model.attention_pattern)] for i in range(model.num_layers)
+    ]
+    values["attention_pattern"] = kinds
+    if "local" not in kinds:
+        values["sliding_window"] = None
+        values["rope_local_theta"] = None
+    elif values["rope_local_theta"] is None:
+        values["rope_local_theta"] = model.rope_theta
+    if model.rope_scaling == "none":
+        values["rope_scaling_factor"] = 1.0
+    if model.rope_scaling != "llama3":
+        for key in ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"):
+            values[key] = None
+    if model.query_pre_attn_scalar is None:
+        values["query_pre_attn_scalar"] = float(model.head_dim)
+    return values
+
+
+def check_matches(model: ModelConfig, hf: dict[str, Any], source: str) -> None:
+    """One ConfigError naming the first field where the chosen `model=` differs from config.json."""
+    expected = _comparable(dataclasses.replace(model, **architecture_from_hf(hf, source)))
+    actual = _comparable(model)
+    for key, want in expected.items():
+        have = actual[key]
+        same = (
+            abs(float(have) - float(want)) <= 1e-9 * abs(float(want))
+            if isinstance(want, float) and isinstance(have, int | float)
+            else have == want
+        )
+        if not same:
+            shown_have = _shown(key, getattr(model, key))
+            shown_want = _shown(key, architecture_from_hf(hf, source)[key])
+            raise ConfigError(
+                f"model.{key}={shown_have} does not match {HF_NAMES[key]} in {source} "
+                f"(model.{key}={shown_want}); choose the model config of this checkpoint or set "
+                f"model.{key}={shown_want}"
+            )
+
+
+def _shown(key: str, value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _whole(value: float) -> int | float:
+    return int(value) if float(value).is_integer() else value
+
+
+def model_config_from_hf(
+    hf: dict[str, Any], *, name: str, source: str, **fields: Any
+) -> ModelConfig:
+    """A ModelConfig for an HF checkpoint: its architecture plus `fields` (mesh, remat...)."""
+    return ModelConfig(name=name, **architecture_from_hf(hf, source), **fields)
+
+
+def hf_config_from_model(
+    model: ModelConfig, *, dtype: str, special_tokens: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """config.json for `model` in the published format, loadable by transformers 4.5x and 5."""
+    features = _FAMILY_FEATURES[model.family]
+    for key, value in features.items():
+        if getattr(model, key) != value:
+            raise ConfigError(
+                f"model.{key}={getattr(model, key)} cannot be exported as model.family="
+                f"{model.family} ({_ARCHITECTURE[model.family]} has {key}={value})"
+            )
+    kinds = [
+        model.attention_pattern[i % len(model.attention_pattern)] for i in range(model.num_layers)
+    ]
+    if model.family != "gemma3" and "local" in kinds:
+        raise ConfigError(
+            f"model.attention_pattern={_shown('attention_pattern', model.attention_pattern)} "
+            f"has local layers, which {_ARCHITECTURE[model.family]} does not; export as gemma3"
+        )
+    if model.family != "gemma3" and model.query_pre_attn_scalar not in (None, model.head_dim):
+        raise ConfigError(
+            f"model.query_pre_attn_scalar={model.query_pre_attn_scalar} cannot be exported as "
+            f"model.family={model.family}; its attention scale is 1/sqrt(head_dim)"
+        )
+    rope_scaling = None
+    if model.rope_scaling == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": model.rope_scaling_factor}
+    elif model.rope_scaling == "llama3":
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": model.rope_scaling_factor,
+            "low_freq_factor": model.rope_low_freq_factor,
+            "high_freq_factor": model.rope_high_freq_factor,
+            "original_max_position_embeddings": model.rope_original_max_len,
+        }
+    config: dict[str, Any] = {
+        "architectures": [_ARCHITECTURE[model.family]],
+        "model_type": _MODEL_TYPE[model.family],
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.d_model,
+        "intermediate_size": model.mlp_dim,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_heads,
+        "num_key_value_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "rms_norm_eps": model.norm_eps,
+        "rope_theta": model.rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": model.max_seq_len,
+        "tie_word_embeddings": model.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "torch_dtype": dtype,
+    }
+    if model.family == "gemma3":
+        config.update(
+            hidden_activation=_ACTIVATION_NAMES[model.mlp_activation],
+            # transformers types it int (Gemma 3 uses 256 and 168)
+            query_pre_attn_scalar=_whole(model.query_pre_attn_scalar or model.head_dim),
+            rope_local_base_freq=model.rope_local_theta or model.rope_theta,
+            sliding_window=model.sliding_window or model.max_seq_len,
+            layer_types=[
+                "sliding_attention" if kind == "local" else "full_attention" for kind in kinds
+            ],
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+        )
+    else:
+        config.update(hidden_act=_ACTIVATION_NAMES[model.mlp_activation], mlp_bias=False)
+    pattern = model.attention_pattern
+    if model.family == "gemma3" and pattern[-1] == "global" and "global" not in pattern[:-1]:
+        # what transformers < 4.53 reads instead of layer_types: every n-th layer is global
+        config["sliding_window_pattern"] = len(pattern)
+    if model.family == "qwen3":
+        config.update(
+            use_sliding_window=False, sliding_window=None, max_window_layers=model.num_layers
+        )
+    config.update(special_tokens or {})
+    return config
