@@ -59,6 +59,7 @@ def test_nonfinite_skip_drops_the_updates_and_counts_them(run_dir):
         "training.log_every=1",
         "checkpoint.every_steps=1",
         "checkpoint.keep=4",
+        "checkpoint.async_save=false",  # the synchronous path, for once
         "data=synthetic",
     )
     result = train(cfg, run_dir, devices=jax.devices()[:1])

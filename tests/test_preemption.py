@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import REPO, subprocess_env
 
 from meshtrain.checkpoint import committed_steps, read_meta
@@ -58,6 +59,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_143(tmp_path):
     assert f"stopped by SIGTERM; checkpoint {tmp_path}/checkpoints/{last} is complete" in output
 
 
+@pytest.mark.slow  # a third launch of its own; the SIGTERM path above is the one that matters
 def test_a_second_signal_aborts_at_once(tmp_path):
     process = start(tmp_path)
     wait_for(tmp_path / "metrics.jsonl", '"step": 2,', process)

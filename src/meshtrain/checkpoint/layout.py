@@ -57,7 +57,9 @@ def _fingerprint(x: jax.Array) -> jax.Array:
     """uint32 []: Σ bits[i] · (2i + 1) mod 2³², i the row-major index of each element.
 
     Integer sums wrap exactly, so the value does not depend on the sharding or on the order of
-    the reduction; the odd weights make any single changed element, or two swapped ones, change it.
+    the reduction. Odd weights are invertible mod 2³², so any single changed element changes it;
+    more damage goes unnoticed only if its changes happen to cancel, and the position weights
+    make that unlikely for moved or swapped elements too.
     """
     index = jnp.zeros(x.shape, jnp.uint32)
     for dim in range(x.ndim):  # row-major linear index, wrapping like the sum

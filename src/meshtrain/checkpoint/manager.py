@@ -98,6 +98,12 @@ class RunCheckpoints:
         source = _choose_source(ckpt, directory)
         if source.candidates:
             source = _check_model(source, plan)
+        if source.start_step > cfg.training.steps:
+            raise ConfigError(
+                f"training.steps={cfg.training.steps} is below step {source.start_step} of the "
+                f"checkpoint to resume ({source.candidates[0].parent}); raise training.steps to "
+                "train on from there"
+            )
         later = [
             step
             for step in committed_steps(directory)
@@ -138,17 +144,12 @@ class RunCheckpoints:
             (params, meta), path = self._read_newest(lambda p: read_params(p, abstract.params))
             state = init(params)
             log.info(
-                "parameters from %s (step %s); optimizer, step and data start fresh",
+                "parameters from %s (step %s); the optimizer, step and data position start fresh",
                 path,
                 meta.get("step"),
             )
         else:
             state = init(None)
-        if start > self.cfg.training.steps:
-            raise ConfigError(
-                f"training.steps={self.cfg.training.steps} is below step {start} of the resumed "
-                f"checkpoint; raise training.steps to train on from there"
-            )
         self._remove_later_steps(start)
         self._manager = ocp.CheckpointManager(
             self.directory,

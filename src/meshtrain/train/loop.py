@@ -153,7 +153,7 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
     mesh = setup.mesh
 
     signals = StopSignals(agree_every=training.log_every)
-    with jax.set_mesh(mesh), checkpoints, signals:
+    with jax.set_mesh(mesh), signals, checkpoints:  # the last write commits before handlers go
         tx = build_optimizer(training)
         shardings = state_shardings(setup.plan, tx, mesh)
 
@@ -206,13 +206,8 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
                 is_last = step == training.steps
                 stop = signals.stop_requested(step)
                 eval_now = evaluate is not None and (is_last or step % training.eval_every == 0)
-                if (
-                    step == start_step + 1
-                    or step % training.log_every == 0
-                    or is_last
-                    or eval_now
-                    or stop
-                ):
+                log_now = step == start_step + 1 or step % training.log_every == 0 or is_last
+                if log_now or eval_now or stop:
                     fetched = jax.device_get(metrics)
                     values = {k: float(fetched[k]) for k in _METRICS if k in fetched}
                     # Fetching the metrics waited for the step, so this interval is real device
