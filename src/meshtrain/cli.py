@@ -19,9 +19,13 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from meshtrain.config import register_configs, to_config
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, DistributedError
+from meshtrain.launch_env import register_run_dir_resolvers
 
 EXIT_CONFIG_ERROR = 2
+# At import as well as in make_main: a Hydra launcher that runs the jobs in other processes
+# (submitit) imports this module there and resolves `hydra.output_subdir` without make_main.
+register_run_dir_resolvers()
 # Read once at import, before main() sets HYDRA_FULL_ERROR for its own use.
 _USER_WANTS_TRACEBACK = "1" in (
     os.environ.get("HYDRA_FULL_ERROR"),
@@ -33,9 +37,9 @@ def _wants_traceback() -> bool:
     return _USER_WANTS_TRACEBACK
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = EXIT_CONFIG_ERROR) -> None:
     print(f"meshtrain: error: {message}", file=sys.stderr)
-    sys.exit(EXIT_CONFIG_ERROR)
+    sys.exit(code)
 
 
 def describe_config_error(err: BaseException) -> str:
@@ -64,15 +68,19 @@ def describe_config_error(err: BaseException) -> str:
 def train_from_hydra(cfg: DictConfig) -> None:
     """The Hydra task: typed config → training run in Hydra's output directory."""
     # Imported here so `--help` and `--cfg job` answer without starting JAX.
+    from meshtrain.distributed import join_run, shared_failures
     from meshtrain.train.loop import train
 
     try:
         config = to_config(cfg)
-        train(config, Path(HydraConfig.get().runtime.output_dir))
-    except ConfigError as err:
+        with shared_failures():
+            # Before anything touches a JAX device; all processes agree on process 0's run dir.
+            run_dir = join_run(config.distributed, Path(HydraConfig.get().runtime.output_dir))
+            train(config, run_dir)
+    except (ConfigError, DistributedError) as err:
         if _wants_traceback():
             raise
-        _fail(str(err))
+        _fail(str(err), err.exit_code)
 
 
 def make_main(config_dir: Path) -> Callable[[], None]:
