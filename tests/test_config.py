@@ -36,7 +36,14 @@ def _field_docs(cls) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     "cls",
-    [ModelConfig, DataConfig, TrainingConfig, CheckpointConfig, config_module.ExperimentConfig],
+    [
+        ModelConfig,
+        DataConfig,
+        TrainingConfig,
+        CheckpointConfig,
+        config_module.ExperimentConfig,
+        config_module.DistributedConfig,
+    ],
 )
 def test_every_field_has_a_one_line_doc(cls):
     docs = _field_docs(cls)

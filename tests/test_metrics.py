@@ -127,17 +127,20 @@ def test_tensorboard_scalars_round_trip(tmp_path: Path) -> None:
     }
 
 
-def test_non_main_process_writes_no_files(
+def test_non_main_process_writes_only_its_rank_log(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    setup_logging(tmp_path, is_main=False)
+    setup_logging(tmp_path, is_main=False, rank=3)
     with MetricsWriter(tmp_path, total_steps=300, is_main=False) as writer:
         writer.write(1, STEP_METRICS)
     log = logging.getLogger("meshtrain.train.loop")
     log.info("hidden info")
     log.warning("shown warning")
 
-    assert list(tmp_path.iterdir()) == []
+    assert [path.name for path in tmp_path.iterdir()] == ["rank3.log"]
+    logged = (tmp_path / "rank3.log").read_text()
+    assert "hidden info" in logged and "shown warning" in logged
+    assert "step 1/300" not in logged
     out = capsys.readouterr().out
     assert "hidden info" not in out
     assert "step 1/300" not in out

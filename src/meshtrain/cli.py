@@ -19,12 +19,16 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from meshtrain.config import register_configs, to_config
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, DistributedError
+from meshtrain.launch_env import register_run_dir_resolvers
 
 EXIT_CONFIG_ERROR = 2
 EXIT_NONFINITE = (
     3  # training.nonfinite=stop met a NaN/Inf; a run stopped by a signal exits 128 + signum
 )
+# At import as well as in make_main: a Hydra launcher that runs the jobs in other processes
+# (submitit) imports this module there and resolves `hydra.output_subdir` without make_main.
+register_run_dir_resolvers()
 # Read once at import, before main() sets HYDRA_FULL_ERROR for its own use.
 _USER_WANTS_TRACEBACK = "1" in (
     os.environ.get("HYDRA_FULL_ERROR"),
@@ -67,17 +71,21 @@ def describe_config_error(err: BaseException) -> str:
 def train_from_hydra(cfg: DictConfig) -> None:
     """The Hydra task: typed config → training run in Hydra's output directory."""
     # Imported here so `--help` and `--cfg job` answer without starting JAX.
+    from meshtrain.distributed import join_run, shared_failures
     from meshtrain.preemption import exit_code_for
     from meshtrain.train.guard import NonFiniteError
     from meshtrain.train.loop import train
 
     try:
         config = to_config(cfg)
-        result = train(config, Path(HydraConfig.get().runtime.output_dir))
-    except (ConfigError, NonFiniteError) as err:
+        with shared_failures():
+            # Before anything touches a JAX device; all processes agree on process 0's run dir.
+            run_dir = join_run(config.distributed, Path(HydraConfig.get().runtime.output_dir))
+            result = train(config, run_dir)
+    except (ConfigError, DistributedError, NonFiniteError) as err:
         if _wants_traceback():
             raise
-        _fail(str(err), EXIT_NONFINITE if isinstance(err, NonFiniteError) else EXIT_CONFIG_ERROR)
+        _fail(str(err), EXIT_NONFINITE if isinstance(err, NonFiniteError) else err.exit_code)
     if result.stopped_by is not None:  # saved after SIGTERM/SIGINT: "stopped, resumable"
         sys.exit(exit_code_for(result.stopped_by))
 

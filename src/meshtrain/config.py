@@ -178,6 +178,22 @@ class CheckpointConfig:
 
 
 @dataclass
+class DistributedConfig:
+    coordinator_address: str | None = None
+    """host:port of process 0's coordinator; null: MASTER_ADDR:MASTER_PORT or the detected cluster."""
+    num_processes: int | None = None
+    """Processes in the run; null: WORLD_SIZE or the detected cluster; none of them: one process."""
+    process_id: int | None = None
+    """This process's index in [0, num_processes); null: RANK or the detected cluster."""
+    local_device_ids: list[int] | None = None
+    """Accelerator ids this process uses; null: all it sees (one per process under SLURM, Open MPI or torchrun)."""
+    cluster_detection: str | None = None
+    """Force a JAX cluster detection method (slurm, ompi, mpi4py, gcetpu, gketpu); null: SLURM and Open MPI by their variables."""
+    timeout_s: int = 300
+    """Seconds to wait for every process at start-up, and without a heartbeat before a process counts as dead."""
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "default"
     """Experiment name: the first folder under outputs/."""
@@ -190,6 +206,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 def register_configs() -> None:

@@ -2,17 +2,20 @@
 
 The mesh always has every known axis, in a fixed order with `tp` innermost (the devices that
 `jax.make_mesh` places next to each other, i.e. with the fastest links). Axes the user leaves out
-have size 1, so the logical rules may name any of them.
+have size 1, so the logical rules may name any of them. Across GPU or CPU hosts, tp stays within
+a host and fsdp and dp span hosts.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from meshtrain.errors import ConfigError
@@ -121,15 +124,56 @@ def parse_mesh_shape(mesh_shape: Any, num_devices: int) -> MeshSpec:
     return MeshSpec({axis: given.get(axis, 1) for axis in MESH_AXES})
 
 
-def build_mesh(spec: MeshSpec, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def build_mesh(
+    spec: MeshSpec,
+    devices: Sequence[jax.Device] | None = None,
+    hosts: Sequence[str] | None = None,
+) -> Mesh:
     """The device mesh with every axis of MESH_AXES, `tp` innermost, all axes in Auto mode.
 
     Auto axes let XLA propagate shardings from the parameters and our activation constraints;
     Explicit axes would need an `out_sharding` at every contraction over a sharded dimension.
+    With several GPU or CPU processes, `hosts` (the host name of each process) keeps `tp` within
+    a host, see devices_by_host.
     """
-    return jax.make_mesh(
-        spec.shape,
-        MESH_AXES,
-        axis_types=(AxisType.Auto,) * len(MESH_AXES),
-        devices=devices,
+    devices = list(jax.devices() if devices is None else devices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    processes = sorted({d.process_index for d in devices})
+    if len(processes) > 1 and devices[0].platform != "tpu":
+        hosts = list(hosts) if hosts is not None else [str(p) for p in range(processes[-1] + 1)]
+        return Mesh(devices_by_host(spec, devices, hosts), MESH_AXES, axis_types=axis_types)
+    # TPU hosts of a slice share the inter-chip links: jax.make_mesh follows that topology.
+    return jax.make_mesh(spec.shape, MESH_AXES, axis_types=axis_types, devices=devices)
+
+
+def devices_by_host(
+    spec: MeshSpec, devices: Sequence[jax.Device], hosts: Sequence[str]
+) -> np.ndarray:
+    """Devices as an array of shape spec.shape ([dp, fsdp, tp]): host after host, within a host
+    process after process, in row-major order.
+
+    `hosts[p]` names the machine of process p. So each tp group (innermost) lies on one host, on
+    its fast links, while fsdp and dp span hosts; and each process holds one contiguous block of
+    the batch (dp × fsdp) positions, which it reads itself.
+    """
+    first_seen = {host: rank for rank, host in reversed(list(enumerate(hosts)))}
+    per_host = Counter(hosts[d.process_index] for d in devices)
+    counts = sorted(set(per_host.values()))
+    shown = format_mesh_shape(spec.shape, MESH_AXES)
+    if len(counts) > 1:
+        raise ConfigError(
+            f"model.mesh_shape {shown}: the hosts have different numbers of devices "
+            f"({', '.join(str(c) for c in counts)}); give every host the same number"
+        )
+    local, tp = counts[0], spec.sizes["tp"]
+    if local % tp:
+        options = ", ".join(str(d) for d in range(1, local + 1) if local % d == 0)
+        raise ConfigError(
+            f"model.mesh_shape {shown}: tp={tp} does not divide the {local} devices of each of the "
+            f"{len(per_host)} hosts, so tp groups would span hosts; tp stays within a host (its "
+            f"fast links): use tp in {{{options}}} and put the rest on fsdp or dp"
+        )
+    ordered = sorted(
+        devices, key=lambda d: (first_seen[hosts[d.process_index]], d.process_index, d.id)
     )
+    return np.array(ordered, dtype=object).reshape(spec.shape)

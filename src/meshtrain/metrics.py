@@ -1,6 +1,7 @@
 """Metric sinks for a run: train.log, console log and progress line, metrics.jsonl, TensorBoard.
 
-Only process 0 writes anything; other processes log warnings and errors to the console.
+Only process 0 writes train.log, metrics.jsonl and TensorBoard; another process N logs to
+rank<N>.log and prints only warnings and errors.
 """
 
 from __future__ import annotations
@@ -67,8 +68,11 @@ class _ConsoleHandler(logging.StreamHandler):
             self._progress = ""
 
 
-def setup_logging(run_dir: Path | None, *, is_main: bool, level: int = logging.INFO) -> None:
-    """Send the "meshtrain" loggers to the console and, on process 0, to run_dir/train.log.
+def setup_logging(
+    run_dir: Path | None, *, is_main: bool, level: int = logging.INFO, rank: int = 0
+) -> None:
+    """Send the "meshtrain" loggers to the console and to run_dir/train.log (process 0) or
+    run_dir/rank<rank>.log (the others, whose console shows only warnings and errors).
 
     Replaces the handlers of a previous call, so repeated runs in one process (Hydra multirun,
     tests) neither duplicate console lines nor keep writing into an earlier run's train.log.
@@ -78,16 +82,18 @@ def setup_logging(run_dir: Path | None, *, is_main: bool, level: int = logging.I
         if handler.name in (_CONSOLE_HANDLER, _FILE_HANDLER):
             root.removeHandler(handler)
             handler.close()
-    root.setLevel(level if is_main else max(level, logging.WARNING))
+    root.setLevel(level)
     # Hydra's handlers on the root logger would print every line a second time.
     root.propagate = False
 
     console = _ConsoleHandler()
     console.name = _CONSOLE_HANDLER
+    console.setLevel(level if is_main else max(level, logging.WARNING))
     console.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
     root.addHandler(console)
-    if is_main and run_dir is not None:
-        file = logging.FileHandler(Path(run_dir) / "train.log", encoding="utf-8")
+    if run_dir is not None:
+        name = "train.log" if is_main else f"rank{rank}.log"
+        file = logging.FileHandler(Path(run_dir) / name, encoding="utf-8")
         file.name = _FILE_HANDLER
         file.setFormatter(logging.Formatter(_FORMAT))
         root.addHandler(file)

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from meshtrain.checkpoint import RunCheckpoints
 from meshtrain.config import Config
 from meshtrain.data import BatchIterator, TokenDataset, build_dataset, validation_batches
+from meshtrain.distributed import process_hosts
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import MeshSpec, build_mesh, format_mesh_shape, parse_mesh_shape
 from meshtrain.metrics import MetricsWriter, setup_logging
@@ -96,7 +97,7 @@ def prepare(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Setup:
     devices = list(devices) if devices is not None else jax.devices()
     mesh_spec = parse_mesh_shape(cfg.model.mesh_shape, len(devices))
     check_against_mesh(cfg, mesh_spec)
-    mesh = build_mesh(mesh_spec, devices)
+    mesh = build_mesh(mesh_spec, devices, hosts=process_hosts())
     plan = plan_model(cfg.model, mesh, mesh_spec)  # shapes only: eval_shape allocates nothing
     train_data = _build_data(cfg, "train")
     if len(train_data) == 0:
@@ -147,7 +148,7 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
     is_main = jax.process_index() == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(run_dir, is_main=is_main)
+    setup_logging(run_dir, is_main=is_main, rank=jax.process_index())
     _describe(setup)
     training = cfg.training
     mesh = setup.mesh
@@ -174,11 +175,13 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
             mixed_precision=training.mixed_precision,
             nonfinite=training.nonfinite,
         )
+        rows = process_rows(batch_sharding, batch_shape, axis=1)
+        log.info("this process reads rows %d:%d of each micro-batch", rows.start, rows.stop)
         batches = BatchIterator(
             setup.train_data,
             global_batch=setup.global_batch,
             accum_steps=training.gradient_accumulation_steps,
-            rows=process_rows(batch_sharding, batch_shape, axis=1),
+            rows=rows,
             seed=training.seed,
         )
         # A resumed state comes with the data position; `init` creates a fresh one (around

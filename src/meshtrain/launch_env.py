@@ -1,0 +1,250 @@
+"""Who this process is in a run: explicit config, torchrun-style variables or a detected cluster.
+
+Reads only the environment and the `distributed` config, never JAX, so that the Hydra config
+(which decides where each process writes) and the launcher can use it before JAX starts.
+Precedence, key by key: `distributed.*` config (including a forced `cluster_detection`), then
+MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE (torchrun's names; they count processes, and a process
+may own several devices), then a cluster JAX detects itself (Open MPI, SLURM), then JAX's own
+JAX_COORDINATOR_ADDRESS. With none of them the run is a single process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from omegaconf import OmegaConf
+
+from meshtrain.config import DistributedConfig
+from meshtrain.errors import ConfigError
+
+TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+# The cluster detection methods of jax.distributed.initialize (jax/_src/clusters, jax 0.10).
+CLUSTER_METHODS = ("slurm", "ompi", "mpi4py", "gcetpu", "gketpu")
+SLURM_VARS = (
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+)
+OMPI_URI = "OMPI_MCA_orte_hnp_uri"
+# The part of the run directory after outputs/<experiment.name>/ (configs/config.yaml); the
+# launcher sets it once for all its processes, so that `${now:}` is not resolved per process.
+RUN_ID_VAR = "MESHTRAIN_RUN_ID"
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and the optional LOCAL_RANK, LOCAL_WORLD_SIZE."""
+
+    master_addr: str
+    master_port: int
+    rank: int
+    world_size: int
+    local_rank: int | None
+    local_world_size: int | None
+
+    @property
+    def coordinator_address(self) -> str:
+        host = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr
+        return f"{host}:{self.master_port}"
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """How this process joins a multi-process run; None fields are left to JAX's cluster detection."""
+
+    source: str  # what the values came from, for logs and errors
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    local_device_ids: list[int] | None
+    cluster_detection: str | None  # passed to jax.distributed.initialize
+
+    @property
+    def fully_known(self) -> bool:
+        """Address, count and id are all known, so no cluster detection is needed."""
+        return None not in (self.coordinator_address, self.num_processes, self.process_id)
+
+
+def env_int(environ: Mapping[str, str], name: str, *, minimum: int = 0) -> int:
+    """The integer value of an environment variable, or a ConfigError naming it."""
+    raw = environ[name]
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer; set it to a whole number") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={value} must be at least {minimum}")
+    return value
+
+
+def read_torchrun_env(environ: Mapping[str, str]) -> TorchrunEnv | None:
+    """The torchrun-style variables, all four or none; None when none is set."""
+    present = [name for name in TORCHRUN_VARS if environ.get(name, "") != ""]
+    if not present:
+        return None
+    missing = [name for name in TORCHRUN_VARS if name not in present]
+    if missing:
+        raise ConfigError(
+            f"the torchrun-style environment is incomplete: {', '.join(present)} "
+            f"{'is' if len(present) == 1 else 'are'} set but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not; set all of {', '.join(TORCHRUN_VARS)}, "
+            "or none of them for a single process"
+        )
+    port = env_int(environ, "MASTER_PORT", minimum=1)
+    if port > 65535:
+        raise ConfigError(f"MASTER_PORT={port} is not a TCP port; use one in 1..65535, e.g. 29500")
+    rank = env_int(environ, "RANK")
+    world_size = env_int(environ, "WORLD_SIZE", minimum=1)
+    if rank >= world_size:
+        raise ConfigError(
+            f"RANK={rank} is not below WORLD_SIZE={world_size}; RANK numbers the processes "
+            f"0..{world_size - 1} (WORLD_SIZE counts processes, not devices)"
+        )
+    local_rank = env_int(environ, "LOCAL_RANK") if environ.get("LOCAL_RANK") else None
+    local_world = (
+        env_int(environ, "LOCAL_WORLD_SIZE", minimum=1) if environ.get("LOCAL_WORLD_SIZE") else None
+    )
+    if local_rank is not None and local_world is not None and local_rank >= local_world:
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world}; "
+            f"LOCAL_RANK numbers this machine's processes 0..{local_world - 1}"
+        )
+    return TorchrunEnv(environ["MASTER_ADDR"], port, rank, world_size, local_rank, local_world)
+
+
+def _torchrun_device_ids(env: TorchrunEnv, environ: Mapping[str, str]) -> list[int] | None:
+    """torchrun's convention on accelerators: with several processes per machine, each uses the
+    device numbered LOCAL_RANK. Our launcher assigns devices itself (JAX_LOCAL_DEVICE_IDS)."""
+    if (
+        env.local_rank is None
+        or (env.local_world_size or 1) <= 1
+        or "JAX_LOCAL_DEVICE_IDS" in environ
+        or environ.get("JAX_PLATFORMS", "") == "cpu"
+    ):
+        return None
+    return [env.local_rank]
+
+
+def detect_cluster(environ: Mapping[str, str]) -> tuple[str, int, int] | None:
+    """(method, process count, process id) of an Open MPI or SLURM job, checked in JAX's order."""
+    if OMPI_URI in environ:
+        return (
+            "ompi",
+            env_int(environ, "OMPI_COMM_WORLD_SIZE", minimum=1),
+            env_int(environ, "OMPI_COMM_WORLD_RANK"),
+        )
+    if all(name in environ for name in SLURM_VARS):
+        return (
+            "slurm",
+            env_int(environ, "SLURM_NTASKS", minimum=1),
+            env_int(environ, "SLURM_PROCID"),
+        )
+    return None
+
+
+def check_coordinator_address(address: str, key: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(
+            f"{key}={address!r} is not host:port; write e.g. 10.0.0.1:29500 (process 0's "
+            "address and a free port)"
+        )
+
+
+def resolve_process_spec(cfg: DistributedConfig, environ: Mapping[str, str]) -> ProcessSpec | None:
+    """How this process joins the run; None: a single process."""
+    if cfg.cluster_detection is not None and cfg.cluster_detection not in CLUSTER_METHODS:
+        raise ConfigError(
+            f"distributed.cluster_detection={cfg.cluster_detection!r} is not a JAX cluster "
+            f"detection method; use one of {', '.join(CLUSTER_METHODS)}, or null"
+        )
+    torchrun = None if cfg.cluster_detection else read_torchrun_env(environ)
+    cluster = None if torchrun or cfg.cluster_detection else detect_cluster(environ)
+    local_ids: list[int] | None = None
+    detection: str | None = None
+    if cfg.cluster_detection is not None:
+        source, address, num, pid = f"{cfg.cluster_detection} cluster", None, None, None
+        detection = cfg.cluster_detection
+    elif torchrun is not None:
+        source = "torchrun-style environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)"
+        address, num, pid = torchrun.coordinator_address, torchrun.world_size, torchrun.rank
+        local_ids = _torchrun_device_ids(torchrun, environ)
+    elif cluster is not None:
+        method, num, pid = cluster
+        source, address = f"{method} cluster", None
+    elif environ.get("JAX_COORDINATOR_ADDRESS"):
+        address = environ["JAX_COORDINATOR_ADDRESS"]
+        check_coordinator_address(address, "JAX_COORDINATOR_ADDRESS")
+        source, num, pid = "JAX_COORDINATOR_ADDRESS", None, None
+    elif None not in (cfg.coordinator_address, cfg.num_processes, cfg.process_id):
+        source, address, num, pid = "config", None, None, None
+    else:
+        given = [
+            f"distributed.{key}"
+            for key in ("coordinator_address", "num_processes", "process_id", "local_device_ids")
+            if getattr(cfg, key) is not None
+        ]
+        if given and cfg.num_processes != 1:
+            raise ConfigError(
+                f"{', '.join(given)} set, but no coordinator, process count and process id: "
+                "set distributed.coordinator_address, distributed.num_processes and "
+                "distributed.process_id (or MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE)"
+            )
+        return None
+
+    # Explicit config wins key by key, e.g. another port than torchrun's own MASTER_PORT.
+    if cfg.coordinator_address is not None:
+        check_coordinator_address(cfg.coordinator_address, "distributed.coordinator_address")
+        address = cfg.coordinator_address
+    num = cfg.num_processes if cfg.num_processes is not None else num
+    pid = cfg.process_id if cfg.process_id is not None else pid
+    if cfg.local_device_ids is not None:
+        local_ids = list(cfg.local_device_ids)
+    if num is not None and num < 1:
+        raise ConfigError(f"distributed.num_processes={num} must be at least 1")
+    if pid is not None and (pid < 0 or (num is not None and pid >= num)):
+        raise ConfigError(
+            f"process id {pid} (distributed.process_id or RANK) is not in 0..{(num or 1) - 1}; "
+            f"number the {num} processes from 0"
+        )
+    if source == "JAX_COORDINATOR_ADDRESS" and None in (num, pid):
+        raise ConfigError(
+            "JAX_COORDINATOR_ADDRESS is set but the number of processes and this process's id "
+            "are not; set distributed.num_processes and distributed.process_id"
+        )
+    if num == 1:
+        return None
+    if address is not None and num is not None and pid is not None:
+        detection = "deactivate"  # everything is known: a SLURM job around us must not override it
+    return ProcessSpec(source, address, num, pid, local_ids, detection)
+
+
+def env_process_id(explicit: int | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """This process's id as far as it is known before JAX starts (0 if unknown); never raises."""
+    if explicit is not None:
+        return int(explicit)
+    environ = os.environ if environ is None else environ
+    names = ["RANK"]
+    if OMPI_URI in environ:
+        names.append("OMPI_COMM_WORLD_RANK")
+    if all(name in environ for name in SLURM_VARS):
+        names.append("SLURM_PROCID")
+    for name in names:
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def hydra_output_subdir(process_id: int | None) -> str | None:
+    """Hydra's `output_subdir`: `.hydra` on process 0; null elsewhere, so that only it writes there."""
+    return ".hydra" if env_process_id(process_id) == 0 else None
+
+
+def register_run_dir_resolvers() -> None:
+    """The resolvers configs/config.yaml uses in its `hydra:` section."""
+    OmegaConf.register_new_resolver("meshtrain.hydra_subdir", hydra_output_subdir, replace=True)

@@ -1,0 +1,272 @@
+"""`python -m meshtrain.launch`: environment per process, [rank N] prefixes, fail-fast, and
+2 processes × 4 devices giving the losses of 1 process × 8 devices on every mesh."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO, subprocess_env
+
+from meshtrain.errors import ConfigError
+from meshtrain.launch import NodePlan, plan_node, process_env, shell_exit_code
+
+# Multi-process runs compile on every process; without XLA's expensive CPU optimisations the
+# compiles take a third of the time. Both sides of each comparison use the same flags.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+SMALL_RUN = (
+    "data=synthetic",
+    "model.num_layers=1",
+    "data.seq_len=32",
+    "training.global_batch_size=8",
+    "training.steps=3",
+    "training.log_every=1",
+    "training.warmup_steps=1",
+    "training.eval_every=0",
+)
+MESHES = ("[[8,1],[fsdp,tp]]", "[[4,2],[fsdp,tp]]", "[[2,2,2],[dp,fsdp,tp]]")
+
+
+def launcher(*args: str) -> list[str]:
+    return [sys.executable, "-m", "meshtrain.launch", *args]
+
+
+def fast_env(num_devices: int) -> dict[str, str]:
+    env = subprocess_env(num_devices)
+    env["XLA_FLAGS"] += " " + FAST_COMPILE
+    return env
+
+
+def losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def test_plan_node_alone_and_on_several_machines():
+    alone = plan_node(4, {})
+    assert (alone.master_addr, alone.first_rank, alone.world_size) == ("127.0.0.1", 0, 4)
+    # The design docs' second machine: RANK is its first process's rank.
+    second = {"MASTER_ADDR": "192.168.1.10", "MASTER_PORT": "29500", "RANK": "4", "WORLD_SIZE": "8"}
+    assert plan_node(4, second) == NodePlan("192.168.1.10", 29500, 4, 8)
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        (
+            {"MASTER_ADDR": "h", "MASTER_PORT": "1", "WORLD_SIZE": "8", "RANK": "6"},
+            "RANK=6 + --nprocs 4 is more than WORLD_SIZE=8: this machine would run ranks 6..9",
+        ),
+        (
+            {"MASTER_ADDR": "h", "MASTER_PORT": "1", "WORLD_SIZE": "8"},
+            "RANK is not set but WORLD_SIZE=8 is more than --nprocs 4",
+        ),
+        (
+            {"MASTER_ADDR": "h", "RANK": "4"},
+            "MASTER_ADDR, RANK set but MASTER_PORT, WORLD_SIZE not",
+        ),
+        ({"MASTER_ADDR": "h", "MASTER_PORT": "x", "WORLD_SIZE": "8"}, "MASTER_PORT='x' is not"),
+    ],
+)
+def test_plan_node_rejects_inconsistent_values(environ, message):
+    with pytest.raises(ConfigError) as err:
+        plan_node(4, environ)
+    assert message in str(err.value)
+
+
+def test_process_env_sets_ranks_and_devices():
+    plan = NodePlan("10.0.0.1", 29500, 4, 8)
+    base = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x"}
+    env = process_env(
+        base, plan, local_rank=1, nprocs=4, devices_per_process=2, platform="cpu", run_id="r"
+    )
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")} == {
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "4",
+    }
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2"
+    assert (env["JAX_PLATFORMS"], env["MESHTRAIN_RUN_ID"]) == ("cpu", "r")
+    gpu = process_env(
+        {}, plan, local_rank=1, nprocs=4, devices_per_process=2, platform="gpu", run_id="r"
+    )
+    assert gpu["JAX_LOCAL_DEVICE_IDS"] == "2,3" and "XLA_FLAGS" not in gpu
+    assert shell_exit_code(-9) == 137 and shell_exit_code(3) == 3
+
+
+SCRIPT = """
+import os, signal, sys, time
+rank = int(os.environ["RANK"])
+print("env", rank, os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"],
+      os.environ["MESHTRAIN_RUN_ID"], os.environ["XLA_FLAGS"], sys.argv[1:], flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+mode = sys.argv[1]
+if mode == "fail" and rank == 1:
+    sys.exit(3)
+if mode == "kill" and rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode != "ok":
+    time.sleep(300)
+"""
+
+
+def run_script(tmp_path: Path, mode: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    return subprocess.run(
+        launcher("--nprocs", "3", "--devices-per-process", "2", str(script), mode, "x=1"),
+        cwd=REPO,
+        env=subprocess_env(8),
+        capture_output=True,
+        text=True,
+        timeout=120,  # a launcher that does not stop the sleeping ranks fails here
+    )
+
+
+def test_launcher_prefixes_lines_and_sets_the_environment(tmp_path):
+    result = run_script(tmp_path, "ok")
+    assert result.returncode == 0, result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if " env " in line)
+    assert len(lines) == 3
+    run_ids = set()
+    for rank, line in enumerate(lines):
+        prefix, _, rest = line.partition(" env ")
+        assert prefix == f"[rank {rank}]"
+        got_rank, local, world, addr, run_id, flags, args = rest.split(" ", 6)
+        assert (got_rank, local, world, addr) == (str(rank), str(rank), "3", "127.0.0.1")
+        assert flags == "--xla_force_host_platform_device_count=2"
+        assert args == "['ok', 'x=1']"
+        run_ids.add(run_id)
+    assert len(run_ids) == 1  # one run directory for all
+    ranked = sorted(line for line in result.stderr.splitlines() if line.startswith("[rank"))
+    assert ranked == [f"[rank {r}] to stderr" for r in range(3)]
+    assert result.stderr.startswith("meshtrain.launch: ranks 0..2 of 3, coordinator 127.0.0.1:")
+
+
+def test_launcher_stops_the_rest_and_returns_the_failing_exit_code(tmp_path):
+    result = run_script(tmp_path, "fail")
+    assert result.returncode == 3
+    assert result.stderr.splitlines()[-1] == (
+        "meshtrain.launch: rank 1 exited with code 3; stopping ranks 0, 2"
+    )
+
+
+def test_launcher_reports_a_killed_process(tmp_path):
+    result = run_script(tmp_path, "kill")
+    assert result.returncode == 137
+    assert "meshtrain.launch: rank 1 was killed by SIGKILL; stopping ranks 0, 2" in result.stderr
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    launch = subprocess.Popen(
+        launcher("--nprocs", "2", str(script), "sleep"),
+        cwd=REPO,
+        env=subprocess_env(8),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as in a terminal
+        # A shell without job control starts background commands with SIGINT ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    started = [launch.stdout.readline() for _ in range(2)]
+    assert all(" env " in line for line in started), started
+    os.killpg(launch.pid, signal.SIGINT)  # what Ctrl-C does: every process of the group
+    _, stderr = launch.communicate(timeout=60)
+    assert launch.returncode == 130
+    assert "meshtrain.launch: SIGINT received; stopping all processes" in stderr
+
+
+def test_launcher_bad_input_is_one_line_and_exit_code_2():
+    env = subprocess_env(8)
+    env.update(MASTER_ADDR="10.0.0.1", MASTER_PORT="29500", WORLD_SIZE="8", RANK="6")
+    result = subprocess.run(
+        launcher("--nprocs", "4", "run_training.py"),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "meshtrain: error: RANK=6 + --nprocs 4 is more than WORLD_SIZE=8: this machine would run "
+        "ranks 6..9, but ranks stop at 7; RANK is the first rank on this machine and WORLD_SIZE "
+        "the number of processes on all machines"
+    ]
+
+
+def test_two_processes_match_one_process_on_every_mesh(tmp_path):
+    """[[8,1]], [[4,2]] and a dp mesh, swept in one launch (Hydra multirun) so that the
+    processes start once; the 1-process × 8-device reference runs at the same time."""
+    sweep = ("-m", f"model.mesh_shape={','.join(MESHES)}", *SMALL_RUN)
+    multi, single = tmp_path / "multi", tmp_path / "single"
+    multi.mkdir()
+    single.mkdir()
+    entry = str(REPO / "run_training.py")
+    procs = {
+        "multi": subprocess.Popen(
+            launcher("--nprocs", "2", "--devices-per-process", "4", entry, *sweep),
+            cwd=multi,
+            env=fast_env(1),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ),
+        "single": subprocess.Popen(
+            [sys.executable, entry, *sweep],
+            cwd=single,
+            env=fast_env(8),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ),
+    }
+    outputs = {name: proc.communicate(timeout=900) for name, proc in procs.items()}
+    for name, proc in procs.items():
+        assert proc.returncode == 0, outputs[name][1][-3000:]
+
+    # One sweep directory for both processes: the launcher's MESHTRAIN_RUN_ID, not each
+    # process's own clock.
+    (multi_sweep,) = (multi / "multirun" / "tiny").glob("*/*")
+    (single_sweep,) = (single / "multirun" / "tiny").glob("*/*")
+    for job, mesh in enumerate(MESHES):
+        run_dir = multi_sweep / str(job)
+        got, want = (
+            losses(run_dir / "metrics.jsonl"),
+            losses(single_sweep / str(job) / "metrics.jsonl"),
+        )
+        assert len(got) == 3, mesh
+        # The same global batch and seed: only the order of fp32 sums differs (gloo reductions).
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=mesh)
+        # Process 0 writes the shared files; process 1 only its own log.
+        names = {path.name for path in run_dir.iterdir()}
+        assert {n for n in names if not n.startswith("events.out.tfevents")} == {
+            ".hydra",
+            "train.log",
+            "metrics.jsonl",
+            "rank1.log",
+        }
+        assert len([n for n in names if n.startswith("events.out.tfevents")]) == 1
+        main_log = (run_dir / "train.log").read_text()
+        rank_log = (run_dir / "rank1.log").read_text()
+        assert "process 1 of 2 joined through the torchrun-style environment" in rank_log
+        assert "on 8 cpu device(s), 2 process(es)" in main_log and "step 3/3" in main_log
+        # Each process reads only its half of every micro-batch of 8 sequences.
+        assert "this process reads rows 0:4 of each micro-batch" in main_log
+        assert "this process reads rows 4:8 of each micro-batch" in rank_log
+
+    stdout, stderr = outputs["multi"]
+    ranked = ("[rank 0] ", "[rank 1] ")
+    assert all(line.startswith(ranked) for line in stdout.splitlines() if line)
+    assert all(line.startswith((*ranked, "meshtrain.launch: ")) for line in stderr.splitlines())
+    steps = [line for line in stdout.splitlines() if "step 3/3" in line]
+    assert len(steps) == 3 and all(line.startswith("[rank 0] ") for line in steps)
