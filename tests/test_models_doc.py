@@ -4,6 +4,7 @@ shortened to 3 steps. An error example must exit with code 2 and print the docum
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 import sys
@@ -67,7 +68,7 @@ def test_the_walkthrough_runs_as_documented(tmp_path):
         if kind == "bash" and "meshtrain.generate" in code:
             assert result.stdout.startswith("def main("), described
         if kind == "python" and "model(tokens)" in code:
-            assert result.stdout.startswith("(1, 6, 384) "), described
+            assert re.match(r"\(1, \d+, 384\) ", result.stdout), described
     # Every checkpoint the walkthrough writes loads in transformers' format: config and weights.
     for name in ("hf", "finetuned", "bf16"):
         assert sorted(p.name for p in (tmp_path / "demo" / name).iterdir()) == [
