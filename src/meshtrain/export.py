@@ -7,6 +7,8 @@ readable one is taken) or a run directory. Formats (`--format`):
                state, so `checkpoint.load_params=<out_dir>` fine-tunes from it (the default)
   safetensors  <out_dir>/model.safetensors, tensors named by path ("blocks.0.attn.q"), and
                <out_dir>/config.json with the model config, for sharing and inference
+  hf           a Hugging Face checkpoint of the model's family (meshtrain.hf.export_hf):
+               config.json, safetensors with transformers' names, the tokenizer
 
 A new format is one more function in EXPORTERS. Export reads whole arrays into host memory
 (about the size of the parameters) on CPU; it needs no accelerator.
@@ -23,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from flax import nnx
 from safetensors.numpy import save_file
 
 from meshtrain.checkpoint.layout import (
@@ -35,7 +39,11 @@ from meshtrain.checkpoint.layout import (
     named_leaves,
     read_params,
 )
+from meshtrain.config import ModelConfig
+from meshtrain.errors import ConfigError
+from meshtrain.hf.export import export_hf
 from meshtrain.metrics import setup_logging
+from meshtrain.models.transformer import Transformer
 
 log = logging.getLogger("meshtrain.export")  # __name__ is "__main__" under -m
 
@@ -62,10 +70,24 @@ def write_safetensors(params: Any, meta: dict[str, Any], out_dir: Path) -> None:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def write_hf(params: Any, meta: dict[str, Any], out_dir: Path) -> None:
+    model = ModelConfig(**meta["config"]["model"])
+    # export_hf walks the model's own tree (int keys for the blocks); the saved tree has the
+    # same dotted names, so the arrays are placed by name.
+    abstract = nnx.to_pure_dict(
+        nnx.state(nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0))), nnx.Param)
+    )
+    saved = named_leaves(params)
+    arrays = [jnp.asarray(saved[name]) for name in named_leaves(abstract)]
+    keyed = jax.tree.unflatten(jax.tree.structure(abstract), arrays)
+    export_hf(keyed, model, out_dir, meta["config"]["data"]["tokenizer"])
+
+
 # --format name → writer(params as numpy arrays, export description, out_dir)
 EXPORTERS: dict[str, Callable[[Any, dict[str, Any], Path], None]] = {
     "orbax": write_orbax,
     "safetensors": write_safetensors,
+    "hf": write_hf,
 }
 
 
@@ -124,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_platforms", "cpu")  # whole arrays on the host; no accelerator needed
     try:
         source = export(args.checkpoint, args.out_dir, args.format)
-    except ExportError as err:
+    except (ExportError, ConfigError) as err:
         print(f"meshtrain: error: {err}", file=sys.stderr)
         return EXIT_ERROR
     log.info("exported the parameters of %s as %s to %s", source, args.format, args.out_dir)
