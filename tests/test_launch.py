@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import REPO, subprocess_env
 
+from meshtrain.checkpoint import committed_steps, read_meta
 from meshtrain.errors import ConfigError
 from meshtrain.launch import NodePlan, plan_node, process_env, shell_exit_code
 
@@ -247,14 +248,18 @@ def test_two_processes_match_one_process_on_every_mesh(tmp_path):
         assert len(got) == 3, mesh
         # The same global batch and seed: only the order of fp32 sums differs (gloo reductions).
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=mesh)
-        # Process 0 writes the shared files; process 1 only its own log.
+        # Process 0 writes the shared files; process 1 only its own log. Both write the
+        # checkpoint, each the shards it holds.
         names = {path.name for path in run_dir.iterdir()}
         assert {n for n in names if not n.startswith("events.out.tfevents")} == {
             ".hydra",
             "train.log",
             "metrics.jsonl",
             "rank1.log",
+            "checkpoints",
         }
+        assert committed_steps(run_dir / "checkpoints") == [3]
+        assert read_meta(run_dir / "checkpoints" / "3")["data"] == {"step": 3}
         assert len([n for n in names if n.startswith("events.out.tfevents")]) == 1
         main_log = (run_dir / "train.log").read_text()
         rank_log = (run_dir / "rank1.log").read_text()
