@@ -43,6 +43,8 @@ def _field_docs(cls) -> dict[str, str]:
         CheckpointConfig,
         config_module.ExperimentConfig,
         config_module.DistributedConfig,
+        config_module.ProfileConfig,
+        config_module.PlanConfig,
     ],
 )
 def test_every_field_has_a_one_line_doc(cls):
@@ -68,6 +70,15 @@ def test_default_yaml_equals_dataclass_defaults(group):
     values = yaml.safe_load((CONFIG_DIR / section / f"{name}.yaml").read_text())
     defaults = dataclasses.asdict(SCHEMAS[section]())
     assert values == defaults
+
+
+@pytest.mark.parametrize(
+    ("section", "cls"),
+    [("profile", config_module.ProfileConfig), ("plan", config_module.PlanConfig)],
+)
+def test_config_yaml_sections_equal_dataclass_defaults(section, cls):
+    values = yaml.safe_load((CONFIG_DIR / "config.yaml").read_text())[section]
+    assert values == dataclasses.asdict(cls())
 
 
 def test_composed_config_is_typed():

@@ -275,3 +275,49 @@ def test_two_processes_match_one_process_on_every_mesh(tmp_path):
     assert all(line.startswith((*ranked, "meshtrain.launch: ")) for line in stderr.splitlines())
     steps = [line for line in stdout.splitlines() if "step 3/3" in line]
     assert len(steps) == 3 and all(line.startswith("[rank 0] ") for line in steps)
+
+
+def test_checkpoints_move_between_two_processes_and_one(tmp_path):
+    """A checkpoint written by 2 processes × 4 devices resumes in 1 process × 8 devices, and the
+    reverse; both continue the losses of an uninterrupted 5-step run (a constant learning rate
+    after warmup, so the 3-step runs follow the same schedule)."""
+    run = (*SMALL_RUN, 'model.mesh_shape=[[4,2],["fsdp","tp"]]', "training.lr_schedule=constant")
+    entry = str(REPO / "run_training.py")
+
+    def start(processes: int, run_dir: Path, steps: int) -> subprocess.Popen:
+        args = (entry, *run, f"training.steps={steps}", f"hydra.run.dir={run_dir}")
+        if processes == 1:
+            command, env = [sys.executable, *args], fast_env(8)
+        else:
+            command, env = (
+                launcher("--nprocs", "2", "--devices-per-process", "4", *args),
+                fast_env(1),
+            )
+        return subprocess.Popen(
+            command,
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def finish(*procs: subprocess.Popen) -> None:
+        for proc in procs:
+            _, stderr = proc.communicate(timeout=900)
+            assert proc.returncode == 0, stderr[-3000:]
+
+    by_two, by_one, reference = tmp_path / "by_two", tmp_path / "by_one", tmp_path / "reference"
+    finish(start(2, by_two, 3), start(1, by_one, 3), start(1, reference, 5))
+    finish(start(1, by_two, 5), start(2, by_one, 5))  # each resumed by the other topology
+
+    want = losses(reference / "metrics.jsonl")
+    for written_by, run_dir in ((2, by_two), (1, by_one)):
+        log_text = (run_dir / "train.log").read_text()  # both launches, one after the other
+        assert "on 8 cpu device(s), 2 process(es)" in log_text
+        assert "on 8 cpu device(s), 1 process(es)" in log_text
+        assert f"resuming from {run_dir / 'checkpoints' / '3'} at step 3" in log_text
+        got = losses(run_dir / "metrics.jsonl")
+        assert len(got) == 5, (written_by, got)  # steps 1-3, then 4-5 after the resume
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"written by {written_by}")
+        assert committed_steps(run_dir / "checkpoints") == [3, 5]

@@ -72,15 +72,20 @@ def train_from_hydra(cfg: DictConfig) -> None:
     """The Hydra task: typed config → training run in Hydra's output directory."""
     # Imported here so `--help` and `--cfg job` answer without starting JAX.
     from meshtrain.distributed import join_run, shared_failures
+    from meshtrain.plan import use_fake_cpu_devices
     from meshtrain.preemption import exit_code_for
     from meshtrain.train.guard import NonFiniteError
-    from meshtrain.train.loop import train
+    from meshtrain.train.loop import dry_run, train
 
     try:
         config = to_config(cfg)
+        use_fake_cpu_devices(config.plan.fake_devices)  # before anything starts JAX's backend
         with shared_failures():
             # Before anything touches a JAX device; all processes agree on process 0's run dir.
             run_dir = join_run(config.distributed, Path(HydraConfig.get().runtime.output_dir))
+            if config.training.dry_run:
+                dry_run(config, run_dir)
+                return
             result = train(config, run_dir)
     except (ConfigError, DistributedError, NonFiniteError) as err:
         if _wants_traceback():

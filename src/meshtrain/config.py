@@ -157,6 +157,12 @@ class TrainingConfig:
     """Global batches averaged for one validation loss."""
     nonfinite: str = "stop"
     """A NaN/Inf loss or gradient norm: stop (error naming the step; never checkpointed) or skip (drop that update, count it)."""
+    profile: bool = False
+    """Trace the steps of the `profile:` window with the JAX profiler into <run_dir>/profile/."""
+    profile_communication: bool = False
+    """Log every collective of the compiled step and write <run_dir>/communication.json."""
+    dry_run: bool = False
+    """Compile the step on abstract inputs, log the memory plan, write plan.json and stop."""
 
 
 @dataclass
@@ -194,6 +200,26 @@ class DistributedConfig:
 
 
 @dataclass
+class ProfileConfig:
+    start_step: int = 5
+    """First step (counting from 1) inside the profiler window of training.profile=true."""
+    num_steps: int = 3
+    """Steps traced from start_step on (the window ends early at the last training step)."""
+    all_ranks: bool = False
+    """Trace on every process (process i > 0 into profile/process_<i>/); false: process 0 only."""
+
+
+@dataclass
+class PlanConfig:
+    device: str | None = None
+    """Accelerator the memory plan is checked against (h100, h200, a100_80gb, v5e...); null: the devices in use."""
+    memory_fraction: float = 0.9
+    """Share of a device's memory a run may fill (XLA keeps some; on GPU see XLA_PYTHON_CLIENT_MEM_FRACTION)."""
+    fake_devices: int | None = None
+    """Fake this many CPU devices (plan a large mesh on a laptop); set before JAX starts, CLI only."""
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "default"
     """Experiment name: the first folder under outputs/."""
@@ -205,6 +231,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 

@@ -30,6 +30,12 @@ _DISPLAY: dict[str, tuple[str, str]] = {
     "grad_norm": ("grad_norm", "{:.2f}"),
     "tokens_per_sec": ("tokens/s", "{:,.0f}"),
     "step_time_s": ("step_time", "{:.3f}s"),
+    "tokens_per_sec_per_device": ("tokens/s/device", "{:,.0f}"),
+    "tflops_per_device": ("TFLOP/s/device", "{:.3g}"),
+    "mfu": ("mfu", "{:.1%}"),
+    "data_wait_s": ("data_wait", "{:.4f}s"),
+    "memory_in_use_gib": ("mem", "{:.2f}GiB"),
+    "memory_peak_gib": ("mem_peak", "{:.2f}GiB"),
 }
 _BAR_WIDTH = 20
 

@@ -6,6 +6,7 @@ Each failure is a ConfigError whose one line names the key, the value and the fi
 
 from __future__ import annotations
 
+from meshtrain.accelerators import accelerator_named
 from meshtrain.config import Config
 from meshtrain.errors import ConfigError
 from meshtrain.hf.checkpoint import check_init_from
@@ -99,6 +100,23 @@ def check_config(cfg: Config) -> None:
     )
     if training.global_batch_size is not None:
         _positive("training.global_batch_size", training.global_batch_size)
+
+    profile, plan = cfg.profile, cfg.plan
+    _positive("profile.start_step", profile.start_step)
+    _positive("profile.num_steps", profile.num_steps)
+    _require(
+        not training.profile or training.dry_run or profile.start_step <= training.steps,
+        f"profile.start_step={profile.start_step} comes after the last step "
+        f"(training.steps={training.steps}); use profile.start_step={min(5, training.steps)}",
+    )
+    if plan.device is not None:
+        accelerator_named(plan.device)
+    _require(
+        0.0 < plan.memory_fraction <= 1.0,
+        f"plan.memory_fraction={plan.memory_fraction} must be in (0, 1], e.g. 0.9",
+    )
+    if plan.fake_devices is not None:
+        _positive("plan.fake_devices", plan.fake_devices)
 
 
 def _check_model_flavour(cfg: Config) -> None:

@@ -130,7 +130,8 @@ def create_train_state(
 def abstract_train_state(
     plan: ModelPlan, tx: optax.GradientTransformation, shardings: TrainState
 ) -> TrainState:
-    """The train state as ShapeDtypeStructs carrying their shardings: a restore target."""
+    """The train state as ShapeDtypeStructs carrying their shardings, allocating nothing: the
+    restore target of a checkpoint, and enough to compile the train step."""
     shapes = jax.eval_shape(lambda p: _state_from_params(p, tx, 0), plan.abstract_params)
     return jax.tree.map(
         lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),

@@ -1,0 +1,106 @@
+"""Model FLOPs of a training step: the matmul count behind TFLOP/s per device and MFU.
+
+The rules (written out with a worked example in docs/profiling.md#the-flop-formula):
+
+- A matmul [m, k] × [k, n] costs 2·m·k·n FLOPs (one multiply, one add). Norms, softmax, rotary
+  embeddings and other elementwise work are not counted, as in PaLM (Chowdhery et al. 2022,
+  https://arxiv.org/abs/2204.02311, appendix B) and Kaplan et al. 2020 (§2.1), whose 6·N per
+  token this reduces to for short sequences.
+- Training costs 3× the forward pass: the backward pass computes the gradients with respect to
+  the activations and with respect to the weights, each as many FLOPs as the forward pass.
+  (Rematerialisation would add a forward pass of hardware FLOPs, but not of model FLOPs.)
+- Causal attention is counted once: the query at position t attends to min(t + 1, window) keys
+  (window = None: every earlier key), and both the scores q·kᵀ and the weighted sum of values
+  cost 2·head_dim FLOPs per query head per attended key. With full causal attention the average
+  query attends to (T + 1) / 2 keys. Kernels that compute the whole T×T square and mask it do
+  more hardware work; MFU counts only the useful half.
+- The embedding lookup is a gather (0 FLOPs); the output projection to the vocabulary is a
+  matmul (2·d_model·vocab per token), whether or not it is tied to the embedding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshtrain.config import ModelConfig
+from meshtrain.models.transformer import layer_kinds
+
+# Forward + backward (gradients of activations and of weights).
+TRAIN_FACTOR = 3
+
+
+def attention_windows(cfg: ModelConfig) -> list[int | None]:
+    """Per layer, how many of the most recent keys a query attends to; None is full causal.
+
+    Local layers of `model.attention_pattern` (Gemma 3's five in six) see `model.sliding_window`
+    keys; global layers see the whole causal prefix.
+    """
+    return [cfg.sliding_window if kind == "local" else None for kind in layer_kinds(cfg)]
+
+
+def attended_keys(seq_len: int, window: int | None) -> int:
+    """Σ over query positions t in [0, seq_len) of the keys it attends to, min(t + 1, window)."""
+    if window is None or window >= seq_len:
+        return seq_len * (seq_len + 1) // 2
+    # Positions 0..window-1 see t + 1 keys; the remaining seq_len - window see `window`.
+    return window * (window + 1) // 2 + (seq_len - window) * window
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """Forward-pass FLOPs of one sequence, by part of the model."""
+
+    projections: int  # q, k, v and output projections of every attention layer
+    attention: int  # scores and weighted values, causal (and window-limited) keys only
+    mlp: int  # gate, up and down projections
+    logits: int  # the output projection to the vocabulary
+    embedding: int = 0  # a gather: no FLOPs
+
+    @property
+    def forward(self) -> int:
+        return self.projections + self.attention + self.mlp + self.logits + self.embedding
+
+    @property
+    def train(self) -> int:
+        return TRAIN_FACTOR * self.forward
+
+
+def forward_flops(
+    cfg: ModelConfig, seq_len: int, windows: Sequence[int | None] | None = None
+) -> FlopCount:
+    """Forward FLOPs of one sequence of `seq_len` tokens (windows: per layer, default the model's)."""
+    windows = attention_windows(cfg) if windows is None else list(windows)
+    if len(windows) != cfg.num_layers:
+        raise ValueError(f"{len(windows)} attention windows for {cfg.num_layers} layers")
+    d, h, t = cfg.d_model, cfg.head_dim, seq_len
+    # Per token: q [D → N·H], k and v [D → K·H], o [N·H → D].
+    projections = 2 * t * d * h * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    # Per attended (query, key) pair and query head: q·k (2·H) and p·v (2·H).
+    attention = sum(4 * h * cfg.num_heads * attended_keys(t, w) for w in windows)
+    mlp = 2 * t * 3 * d * cfg.mlp_dim  # gate and up [D → F], down [F → D]
+    return FlopCount(
+        projections=cfg.num_layers * projections,
+        attention=attention,
+        mlp=cfg.num_layers * mlp,
+        logits=2 * t * d * cfg.vocab_size,
+    )
+
+
+def train_flops_per_step(
+    cfg: ModelConfig,
+    *,
+    seq_len: int,
+    sequences: int,
+    windows: Sequence[int | None] | None = None,
+) -> int:
+    """Model FLOPs of one update over `sequences` sequences (the global batch), all devices."""
+    return sequences * forward_flops(cfg, seq_len, windows).train
+
+
+def format_flops(value: float, per: str = "") -> str:
+    """1.23e15 → "1.23 PFLOP" (with per="/s": "1.23 PFLOP/s")."""
+    for unit, size in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {unit}FLOP{per}"
+    return f"{value:.0f} FLOP{per}"

@@ -1,0 +1,198 @@
+"""The memory plan of a run, per device: what the compiled train step needs, and whether that
+fits a named accelerator. Built from shapes and shardings and from XLA's own buffer assignment
+(`compiled.memory_analysis()`), so it costs a compile but never allocates the weights.
+
+Per device:
+- params, optimizer state, gradients: analytic, from each array's shape, dtype and sharding;
+- arguments, outputs, temporaries: from the compiled executable. Temporaries hold the
+  activations kept for the backward pass, the gathered (unsharded) weights, the gradients
+  before they are reduced, and scratch. Donated outputs reuse their arguments' buffers.
+- total = arguments + outputs - donated (aliased) outputs + temporaries: the peak the step needs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from meshtrain.accelerators import GIB, accelerator_named
+from meshtrain.communication import format_bytes
+from meshtrain.errors import ConfigError
+from meshtrain.flops import format_flops
+
+
+def use_fake_cpu_devices(count: int | None) -> None:
+    """Makes JAX see `count` CPU devices (plan.fake_devices); must run before JAX starts."""
+    if count is None:
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        raise ConfigError(
+            f"plan.fake_devices={count} must be set before JAX starts; "
+            "pass it on the command line of run_training.py"
+        ) from None
+
+
+def bytes_per_device(tree: Any, shardings: Any) -> int:
+    """Bytes of one device's shards of every array in `tree` (shapes with dtypes)."""
+    leaves = jax.tree.leaves(tree)
+    specs = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    return sum(
+        math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        for leaf, sharding in zip(leaves, specs, strict=True)
+    )
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per device of one train step, and the verdict against a device's memory."""
+
+    mesh: dict[str, int]
+    micro_batch_size: int  # sequences per batch shard per micro-batch
+    params_bytes: int
+    opt_state_bytes: int
+    grad_bytes: int
+    activation_bytes: int  # XLA's temporaries: activations, gathered weights, raw gradients
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    collective_bytes_per_step: float  # ring-algorithm bytes, see meshtrain.communication
+    flops_per_step: float  # model FLOPs per device
+    device: str | None = None  # what the verdict is against
+    capacity_bytes: float | None = None  # usable bytes of that device (× plan.memory_fraction)
+    remat: str = "none"  # model.remat of the planned step
+    scan_layers: bool = False  # model.scan_layers of the planned step
+
+    @property
+    def total_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.activation_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.capacity_bytes is None else self.total_bytes <= self.capacity_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "total_bytes": self.total_bytes, "fits": self.fits}
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
+
+    def levers(self) -> list[str]:
+        """What would shrink the plan, the larger part first."""
+        fsdp = self.mesh.get("fsdp", 1)
+        sharded_state = self.params_bytes + self.opt_state_bytes + self.grad_bytes
+        if self.micro_batch_size > 1:
+            smaller = (
+                f"a smaller micro-batch (training.micro_batch_size={self.micro_batch_size // 2} "
+                "with twice the training.gradient_accumulation_steps keeps the global batch)"
+            )
+        else:
+            smaller = "shorter sequences (data.seq_len; the micro-batch is 1 already)"
+        if self.remat != "full" or not self.scan_layers:
+            smaller += " or remat (model.remat=full with model.scan_layers=true)"
+        by_size = [
+            (
+                sharded_state,
+                f"more fsdp (fsdp={fsdp} → {2 * fsdp} in model.mesh_shape halves the "
+                f"{format_bytes(sharded_state)} of parameters, gradients and optimizer state)",
+            ),
+            (
+                self.activation_bytes,
+                f"{smaller}: shrinks the {format_bytes(self.activation_bytes)} of activations "
+                "and temporaries",
+            ),
+        ]
+        return [text for _, text in sorted(by_size, key=lambda item: -item[0])]
+
+    def format(self) -> list[str]:
+        lines = [
+            "memory plan per device "
+            + f"(mesh {', '.join(f'{k}={v}' for k, v in self.mesh.items())}):",
+            f"  parameters          {format_bytes(self.params_bytes):>12}",
+            f"  optimizer state     {format_bytes(self.opt_state_bytes):>12}",
+            f"  gradients           {format_bytes(self.grad_bytes):>12}   (within the temporaries)",
+            f"  activations + temps {format_bytes(self.activation_bytes):>12}   (XLA memory_analysis)",
+            f"  total               {format_bytes(self.total_bytes):>12}   "
+            f"(arguments {format_bytes(self.argument_bytes)} + outputs {format_bytes(self.output_bytes)} "
+            f"- donated {format_bytes(self.alias_bytes)} + temporaries)",
+            f"  collectives         {format_bytes(self.collective_bytes_per_step):>12} per step (ring)",
+            f"  model FLOPs         {format_flops(self.flops_per_step):>12} per step",
+        ]
+        if self.fits is None:
+            lines.append(
+                "  verdict: no memory size known for these devices; set plan.device=h100 (or "
+                "h200, a100_80gb, b200, v5e...) to check against one"
+            )
+        elif self.fits:
+            lines.append(
+                f"  verdict: fits on {self.device}: {format_bytes(self.total_bytes)} of "
+                f"{format_bytes(self.capacity_bytes)} usable ({format_bytes(self.capacity_bytes - self.total_bytes)} free)"
+            )
+        else:
+            lines.append(
+                f"  verdict: does not fit on {self.device} by "
+                f"{format_bytes(self.total_bytes - self.capacity_bytes)}: needs {format_bytes(self.total_bytes)} "
+                f"of {format_bytes(self.capacity_bytes)} usable"
+            )
+            lines.extend(f"  try: {lever}" for lever in self.levers())
+        return lines
+
+
+def device_capacity(
+    name: str | None, devices: list[jax.Device], memory_fraction: float
+) -> tuple[str | None, float | None]:
+    """The device the verdict is against (plan.device, else the devices in use when they report
+    a memory limit) and its usable bytes."""
+    if name is not None:
+        accelerator = accelerator_named(name)
+        return accelerator.name, accelerator.memory_gib * GIB * memory_fraction
+    local = next(d for d in devices if d.process_index == jax.process_index())
+    stats = local.memory_stats()
+    if stats and stats.get("bytes_limit"):
+        return local.device_kind, float(stats["bytes_limit"])
+    return None, None
+
+
+def memory_plan(
+    compiled: jax.stages.Compiled,
+    *,
+    mesh: jax.sharding.Mesh,
+    micro_batch_size: int,
+    abstract_state: Any,
+    state_shardings: Any,
+    collective_bytes_per_step: float,
+    flops_per_step: float,
+    device: str | None,
+    capacity_bytes: float | None,
+    remat: str = "none",
+    scan_layers: bool = False,
+) -> MemoryPlan:
+    """The plan of a compiled train step whose state has these shapes and shardings."""
+    analysis = compiled.memory_analysis()
+    params = bytes_per_device(abstract_state.params, state_shardings.params)
+    return MemoryPlan(
+        mesh={name: int(size) for name, size in mesh.shape.items()},
+        micro_batch_size=micro_batch_size,
+        params_bytes=params,
+        opt_state_bytes=bytes_per_device(abstract_state.opt_state, state_shardings.opt_state),
+        grad_bytes=params,  # fp32 gradients, sharded like their parameters
+        activation_bytes=int(analysis.temp_size_in_bytes),
+        argument_bytes=int(analysis.argument_size_in_bytes),
+        output_bytes=int(analysis.output_size_in_bytes),
+        alias_bytes=int(analysis.alias_size_in_bytes),
+        collective_bytes_per_step=collective_bytes_per_step,
+        flops_per_step=flops_per_step,
+        device=device,
+        capacity_bytes=capacity_bytes,
+        remat=remat,
+        scan_layers=scan_layers,
+    )
