@@ -249,6 +249,13 @@ def test_checkpoint_of_another_model_names_the_first_mismatch(written, tmp_path)
     assert "the model's parameter blocks.2.attn.k (128, 8, 16) is not in the checkpoint" in str(
         err.value
     )
+    # Without clipping, optax's chain has one element less: another optimizer state, not damage.
+    with pytest.raises(ConfigError) as err:
+        _open(tmp_path / "run", f"checkpoint.resume={source}", "training.grad_clip=0")
+    assert str(err.value).startswith(
+        f"checkpoint.resume: {source}/6 was written with other optimizer settings: this run's "
+        "train state has opt_state.0.count, which the checkpoint does not; resume with the "
+    )
 
 
 def test_resume_never_refuses_a_used_directory_unless_told_to_overwrite(written, tmp_path):

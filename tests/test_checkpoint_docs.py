@@ -1,7 +1,7 @@
 """docs/checkpointing.md: its commands, run in order as written, do what the text says.
 
-Every line of a ```bash block that starts with `python` or `XLA_FLAGS=` runs unchanged, in
-document order, in a scratch directory where run_training.py and configs/ link to this
+Every line of a ```bash block that starts with `python` or `XLA_FLAGS=` runs as written (with
+the tests' compile flags added to XLA_FLAGS), in document order, in a scratch directory where run_training.py and configs/ link to this
 repository's, so that the relative paths (outputs/demo, ...) chain from one command to the next.
 Lines starting with anything else (`timeout ...`, for trying by hand) and ```text blocks are not run.
 """
@@ -9,7 +9,7 @@ Lines starting with anything else (`timeout ...`, for trying by hand) and ```tex
 import json
 import subprocess
 
-from conftest import REPO, subprocess_env
+from conftest import FAST_COMPILE, REPO, subprocess_env
 from safetensors.numpy import load_file
 from test_docs import fenced_blocks
 
@@ -28,6 +28,14 @@ def runnable_lines() -> list[str]:
     ]
 
 
+def with_fast_compile(line: str) -> str:
+    """The line with the tests' compile flags added to its own XLA_FLAGS=... prefix, if any."""
+    if not line.startswith("XLA_FLAGS="):
+        return line
+    flags, rest = line.removeprefix("XLA_FLAGS=").split(" ", 1)
+    return f"XLA_FLAGS='{FAST_COMPILE} {flags}' {rest}"
+
+
 def first_loss(run_dir) -> float:
     return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["loss"]
 
@@ -40,7 +48,7 @@ def test_checkpointing_doc_commands_run_in_order(tmp_path):
     outputs = []
     for line in lines:
         result = subprocess.run(
-            ["bash", "-c", line],
+            ["bash", "-c", with_fast_compile(line)],
             cwd=tmp_path,
             env=subprocess_env(1),  # a line's own XLA_FLAGS=... prefix wins
             capture_output=True,

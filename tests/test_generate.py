@@ -80,6 +80,7 @@ def test_command_line(checkpoint, loaded):
     missing = _cli(directory / "missing", PROMPT)
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines() == [
-        f"meshtrain: error: {directory / 'missing'} is not a directory; pass a Hugging Face "
-        "checkpoint directory (config.json, *.safetensors and the tokenizer)"
+        f"meshtrain: error: {directory / 'missing'} is not a directory; pass a meshtrain "
+        "checkpoint (or its run directory) or a Hugging Face checkpoint directory "
+        "(config.json, *.safetensors)"
     ]

@@ -18,9 +18,6 @@ from meshtrain.checkpoint import committed_steps, read_meta
 from meshtrain.errors import ConfigError
 from meshtrain.launch import NodePlan, plan_node, process_env, shell_exit_code
 
-# Multi-process runs compile on every process; without XLA's expensive CPU optimisations the
-# compiles take a third of the time. Both sides of each comparison use the same flags.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 SMALL_RUN = (
     "data=synthetic",
     "model.num_layers=1",
@@ -36,12 +33,6 @@ MESHES = ("[[8,1],[fsdp,tp]]", "[[4,2],[fsdp,tp]]", "[[2,2,2],[dp,fsdp,tp]]")
 
 def launcher(*args: str) -> list[str]:
     return [sys.executable, "-m", "meshtrain.launch", *args]
-
-
-def fast_env(num_devices: int) -> dict[str, str]:
-    env = subprocess_env(num_devices)
-    env["XLA_FLAGS"] += " " + FAST_COMPILE
-    return env
 
 
 def losses(path: Path) -> list[float]:
@@ -123,7 +114,7 @@ def run_script(tmp_path: Path, mode: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         launcher("--nprocs", "3", "--devices-per-process", "2", str(script), mode, "x=1"),
         cwd=REPO,
-        env=subprocess_env(8),
+        env={**subprocess_env(8), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
         capture_output=True,
         text=True,
         timeout=120,  # a launcher that does not stop the sleeping ranks fails here
@@ -217,7 +208,7 @@ def test_two_processes_match_one_process_on_every_mesh(tmp_path):
         "multi": subprocess.Popen(
             launcher("--nprocs", "2", "--devices-per-process", "4", entry, *sweep),
             cwd=multi,
-            env=fast_env(1),
+            env=subprocess_env(1),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -225,7 +216,7 @@ def test_two_processes_match_one_process_on_every_mesh(tmp_path):
         "single": subprocess.Popen(
             [sys.executable, entry, *sweep],
             cwd=single,
-            env=fast_env(8),
+            env=subprocess_env(8),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -288,11 +279,11 @@ def test_checkpoints_move_between_two_processes_and_one(tmp_path):
     def start(processes: int, run_dir: Path, steps: int) -> subprocess.Popen:
         args = (entry, *run, f"training.steps={steps}", f"hydra.run.dir={run_dir}")
         if processes == 1:
-            command, env = [sys.executable, *args], fast_env(8)
+            command, env = [sys.executable, *args], subprocess_env(8)
         else:
             command, env = (
                 launcher("--nprocs", "2", "--devices-per-process", "4", *args),
-                fast_env(1),
+                subprocess_env(1),
             )
         return subprocess.Popen(
             command,

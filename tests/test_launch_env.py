@@ -10,6 +10,7 @@ from meshtrain.config import DistributedConfig
 from meshtrain.errors import ConfigError
 from meshtrain.launch_env import (
     env_process_id,
+    first_slurm_host,
     hydra_output_subdir,
     read_torchrun_env,
     resolve_process_spec,
@@ -83,17 +84,37 @@ def test_explicit_cluster_detection_beats_the_torchrun_variables():
     assert (got.coordinator_address, got.num_processes, got.process_id) == (None, None, None)
 
 
-def test_slurm_and_open_mpi_are_left_to_jax_detection():
+def test_slurm_and_open_mpi_give_jax_s_own_coordinator_address():
     got = spec(SLURM)
     assert got.source == "slurm cluster"
-    assert (got.coordinator_address, got.num_processes, got.process_id) == (None, 8, 3)
-    assert got.cluster_detection is None  # JAX detects the coordinator from SLURM_STEP_NODELIST
+    # The first node; port 4242 % 4096 + 61440, as jax/_src/clusters/slurm_cluster.py picks it.
+    assert (got.coordinator_address, got.num_processes, got.process_id) == ("node01:61586", 8, 3)
+    assert got.fully_known  # so the roll call runs
+    assert got.cluster_detection is None  # JAX still gives task SLURM_LOCALID its GPU
+    assert spec({**SLURM, "JAX_COORDINATOR_PORT": "4000"}).coordinator_address == "node01:4000"
     ompi = {
-        "OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1234",
+        "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.0.0.1,10.1.0.1:34911",
         "OMPI_COMM_WORLD_SIZE": "4",
         "OMPI_COMM_WORLD_RANK": "2",
     }
-    assert spec({**SLURM, **ompi}).source == "ompi cluster"  # JAX's order: Open MPI first
+    got = spec({**SLURM, **ompi})  # JAX's order: Open MPI first
+    assert got.source == "ompi cluster"
+    # Job 1531576320 / 4096 = 373920; 373920 % 4096 + 61440 = 62624.
+    assert (got.coordinator_address, got.num_processes, got.process_id) == ("10.0.0.1:62624", 4, 2)
+
+
+@pytest.mark.parametrize(
+    ("node_list", "first"),
+    [
+        ("node7", "node7"),
+        ("node7,gpu2", "node7"),
+        ("node[07-15],gpu2", "node07"),
+        ("node[07,09-15]", "node07"),
+        ("gpu-a[3]", "gpu-a3"),
+    ],
+)
+def test_first_slurm_host(node_list, first):
+    assert first_slurm_host(node_list) == first
     # torchrun-style variables win over the cluster.
     assert spec({**SLURM, **TORCHRUN}).process_id == 5
 

@@ -50,7 +50,7 @@ def test_the_walkthrough_runs_as_documented(tmp_path):
                 command[0] = sys.executable
             if any(code.startswith(c) for c in TRAINING_COMMANDS) and error is None:
                 command += [*RUN_OVERRIDES]
-            if code.startswith(ENTRY):
+            if code.startswith(ENTRY) and "hydra.run.dir=" not in code:
                 command.append(f"hydra.run.dir={tmp_path / 'run'}")
             elif code.startswith(TRAINING_COMMANDS[1]):
                 command += ["--run-dir", str(tmp_path / "finetune-run")]

@@ -1,7 +1,8 @@
 """meshtrain: a config-driven training launcher for JAX language models.
 
 For scripts and notebooks (imported on first use, so `import meshtrain` stays light):
-`meshtrain.load_hf(path, mesh=None)` → model, `model(tokens)` → logits,
+`meshtrain.load_hf(path, mesh=None)` or `meshtrain.load_checkpoint(path, mesh=None)` → model,
+`model(tokens)` → logits,
 `meshtrain.build_tokenizer(path)`, `meshtrain.generate(model, tokenizer, prompt, max_new_tokens)`
 and `meshtrain.export_hf(params, model_cfg, out_dir, tokenizer)`.
 """
@@ -13,6 +14,7 @@ from typing import Any
 
 _LAZY = {
     "load_hf": ("meshtrain.hf.model", "load_hf"),
+    "load_checkpoint": ("meshtrain.checkpoint.model", "load_checkpoint"),
     "export_hf": ("meshtrain.hf.export", "export_hf"),
     "build_tokenizer": ("meshtrain.data.tokenizer", "build_tokenizer"),
     "generate": ("meshtrain.generate", None),  # the module, which is callable as the function

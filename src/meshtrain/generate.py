@@ -1,6 +1,10 @@
 """Greedy or sampled text generation, for sanity checks of a model; and its command line:
 
-    python -m meshtrain.generate <hf checkpoint dir> "prompt" [--max-new-tokens 32]
+    python -m meshtrain.generate <checkpoint> "prompt" [--max-new-tokens 32]
+
+<checkpoint> is a meshtrain checkpoint (a step directory, its checkpoints/ directory, a run
+directory or an orbax export; the tokenizer is the one it was trained with) or a Hugging Face
+checkpoint directory (config.json, *.safetensors and the tokenizer).
 
 Every new token runs the model over the whole fixed-length buffer (no key/value cache): one
 compilation, quadratic cost, fine for the few dozen tokens of a sanity check.
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import types
 from functools import partial
@@ -71,36 +76,51 @@ def generate(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m meshtrain.generate",
-        description="Continue a prompt with a Hugging Face checkpoint (greedy unless --temperature).",
+        description="Continue a prompt with a meshtrain or Hugging Face checkpoint (greedy "
+        "unless --temperature).",
     )
-    parser.add_argument("checkpoint", help="directory with config.json, *.safetensors, tokenizer")
+    parser.add_argument(
+        "checkpoint",
+        help="meshtrain checkpoint, checkpoints/ or run directory; or a Hugging Face directory "
+        "(config.json, *.safetensors, tokenizer)",
+    )
     parser.add_argument("prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--tokenizer",
-        help="tokenizer.json, sentencepiece .model or directory (default: checkpoint)",
+        help="tokenizer.json, sentencepiece .model or directory (default: the checkpoint's)",
     )
     parser.add_argument(
         "--mesh-shape", help='shard the model over the visible devices, e.g. [[4,2],["fsdp","tp"]]'
     )
     args = parser.parse_args(argv)
-    from meshtrain.hf.model import load_hf  # not at the top: it imports the training code
+    # Not at the top: they import the training code.
+    from meshtrain.checkpoint import find_checkpoints
+    from meshtrain.checkpoint.model import checkpoint_config, load_checkpoint
+    from meshtrain.hf.model import load_hf
 
+    logging.basicConfig(format="meshtrain: %(message)s", level=logging.WARNING)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's own lines about each read
+    path = Path(args.checkpoint)
     try:
         if args.max_new_tokens < 1 or args.temperature < 0:
             raise ConfigError(
                 f"--max-new-tokens={args.max_new_tokens} must be >= 1 and "
                 f"--temperature={args.temperature} >= 0"
             )
-        if not Path(args.checkpoint).is_dir():
+        if not path.is_dir():
             raise ConfigError(
-                f"{args.checkpoint} is not a directory; pass a Hugging Face checkpoint directory "
-                "(config.json, *.safetensors and the tokenizer)"
+                f"{path} is not a directory; pass a meshtrain checkpoint (or its run directory) "
+                "or a Hugging Face checkpoint directory (config.json, *.safetensors)"
             )
+        is_meshtrain = bool(find_checkpoints(path))
         try:
-            tokenizer = build_tokenizer(args.tokenizer or args.checkpoint)
+            tokenizer = build_tokenizer(
+                args.tokenizer
+                or (checkpoint_config(path)["data"]["tokenizer"] if is_meshtrain else str(path))
+            )
         except ValueError as err:
             raise ConfigError(str(err).replace("data.tokenizer", "--tokenizer")) from None
         try:
@@ -110,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--mesh-shape={args.mesh_shape!r} is not JSON; write it like "
                 '\'[[4,2],["fsdp","tp"]]\''
             ) from None
-        model = load_hf(Path(args.checkpoint), mesh)
+        model = load_checkpoint(path, mesh) if is_meshtrain else load_hf(path, mesh)
         if tokenizer.vocab_size > model.embed.shape[0]:
             raise ConfigError(
                 f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "

@@ -11,6 +11,7 @@ JAX_COORDINATOR_ADDRESS. With none of them the run is a single process.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -129,17 +130,51 @@ def _torchrun_device_ids(env: TorchrunEnv, environ: Mapping[str, str]) -> list[i
     return [env.local_rank]
 
 
-def detect_cluster(environ: Mapping[str, str]) -> tuple[str, int, int] | None:
-    """(method, process count, process id) of an Open MPI or SLURM job, checked in JAX's order."""
+def _cluster_port(job_id: int, environ: Mapping[str, str]) -> int:
+    """JAX's coordinator port for a cluster job: JAX_COORDINATOR_PORT, or one of the 4096
+    ports below 65536 picked by the job id."""
+    if "JAX_COORDINATOR_PORT" in environ:
+        return env_int(environ, "JAX_COORDINATOR_PORT", minimum=1)
+    return job_id % 2**12 + 65536 - 2**12
+
+
+def first_slurm_host(node_list: str) -> str:
+    """The first host of a SLURM node list: "node7", "node7,gpu2", "node[07-15],gpu2" and
+    "node[07,09-15]" all give the first node, "node7" or "node07"."""
+    match = re.match(r"([^,\[]*)(?:\[([^,\-\]]*))?", node_list)
+    return match.group(1) + (match.group(2) or "")
+
+
+def _ompi_coordinator(uri: str, environ: Mapping[str, str]) -> str:
+    """The launcher's first address in OMPI_MCA_orte_hnp_uri ("1531576320.0;tcp://10.0.0.1,...:34911")."""
+    match = re.search(r"tcp://(.+?)[,:]|tcp6://\[(.+?)[,\]]", uri)
+    if match is None:
+        raise ConfigError(f"{OMPI_URI}={uri!r} holds no tcp:// address of the Open MPI launcher")
+    host = match.group(1) or f"[{match.group(2)}]"
+    job = uri.split(".", 1)[0]
+    if not job.isdigit():
+        raise ConfigError(f"{OMPI_URI}={uri!r} does not start with the Open MPI job id")
+    job_id = int(job) // 2**12  # Open MPI job ids are multiples of 2^12
+    return f"{host}:{_cluster_port(job_id, environ)}"
+
+
+def detect_cluster(environ: Mapping[str, str]) -> tuple[str, str, int, int] | None:
+    """(method, coordinator address, process count, process id) of an Open MPI or SLURM job,
+    checked in JAX's order. The address is the one JAX derives itself (jax/_src/clusters): the
+    first node of the job step and a port picked by the job id."""
     if OMPI_URI in environ:
         return (
             "ompi",
+            _ompi_coordinator(environ[OMPI_URI], environ),
             env_int(environ, "OMPI_COMM_WORLD_SIZE", minimum=1),
             env_int(environ, "OMPI_COMM_WORLD_RANK"),
         )
     if all(name in environ for name in SLURM_VARS):
+        host = first_slurm_host(environ["SLURM_STEP_NODELIST"])
+        port = _cluster_port(env_int(environ, "SLURM_JOB_ID"), environ)
         return (
             "slurm",
+            f"{host}:{port}",
             env_int(environ, "SLURM_NTASKS", minimum=1),
             env_int(environ, "SLURM_PROCID"),
         )
@@ -174,8 +209,8 @@ def resolve_process_spec(cfg: DistributedConfig, environ: Mapping[str, str]) -> 
         address, num, pid = torchrun.coordinator_address, torchrun.world_size, torchrun.rank
         local_ids = _torchrun_device_ids(torchrun, environ)
     elif cluster is not None:
-        method, num, pid = cluster
-        source, address = f"{method} cluster", None
+        method, address, num, pid = cluster
+        source = f"{method} cluster"
     elif environ.get("JAX_COORDINATOR_ADDRESS"):
         address = environ["JAX_COORDINATOR_ADDRESS"]
         check_coordinator_address(address, "JAX_COORDINATOR_ADDRESS")
@@ -218,7 +253,7 @@ def resolve_process_spec(cfg: DistributedConfig, environ: Mapping[str, str]) -> 
         )
     if num == 1:
         return None
-    if address is not None and num is not None and pid is not None:
+    if cluster is None and None not in (address, num, pid):
         detection = "deactivate"  # everything is known: a SLURM job around us must not override it
     return ProcessSpec(source, address, num, pid, local_ids, detection)
 

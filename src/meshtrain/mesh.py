@@ -177,3 +177,21 @@ def devices_by_host(
         devices, key=lambda d: (first_seen[hosts[d.process_index]], d.process_index, d.id)
     )
     return np.array(ordered, dtype=object).reshape(spec.shape)
+
+
+def resolve_mesh(mesh: Mesh | Any | None) -> tuple[Mesh, MeshSpec]:
+    """The mesh a model is loaded onto outside training: None (the first device, no sharding),
+    a mesh_shape such as [[4,2],["fsdp","tp"]] over all visible devices, or a Mesh from
+    build_mesh."""
+    if mesh is None:
+        spec = parse_mesh_shape([[1, 1], ["fsdp", "tp"]], 1)
+        return build_mesh(spec, jax.devices()[:1]), spec
+    if isinstance(mesh, Mesh):
+        if set(mesh.axis_names) != set(MESH_AXES):
+            raise ValueError(
+                f"mesh axes {mesh.axis_names} are not meshtrain's {MESH_AXES}; pass a "
+                'mesh_shape like [[4,2],["fsdp","tp"]] instead'
+            )
+        return mesh, MeshSpec({axis: mesh.shape[axis] for axis in MESH_AXES})
+    spec = parse_mesh_shape(mesh, len(jax.devices()))
+    return build_mesh(spec), spec

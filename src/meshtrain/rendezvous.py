@@ -267,7 +267,7 @@ def _collect(port: int, num_processes: int, timeout_s: float, address: str) -> R
                 f"process{'es' if len(missing) > 1 else ''} {_ranks(missing)} of {num_processes} "
                 f"did not check in with process 0 at {address} within distributed.timeout_s="
                 f"{timeout_s:g}s: not started, crashed before joining, or unable to reach "
-                "that address (wrong MASTER_ADDR, firewall); see their logs"
+                "that address (wrong coordinator address, firewall); see their logs"
             )
         }
     )

@@ -191,6 +191,21 @@ def first_param_mismatch(saved: Any, abstract_params: Any) -> str | None:
     return None
 
 
+def first_state_mismatch(meta: dict[str, Any], expected_rest: Any) -> str | None:
+    """How the saved optimizer state, step and records differ in structure from `expected_rest`
+    (this run's train state without its parameters), naming the first array; None if alike.
+    The saved names come from the description's fingerprints, so no array is read."""
+    prefix = f"{TRAIN_STATE}."
+    saved = {name[len(prefix) :] for name in meta["fingerprints"] if name.startswith(prefix)}
+    expected = set(named_leaves(expected_rest))
+    missing, extra = sorted(expected - saved), sorted(saved - expected)
+    if missing:
+        return f"this run's train state has {missing[0]}, which the checkpoint does not"
+    if extra:
+        return f"the checkpoint's train state has {extra[0]}, which this run's does not"
+    return None
+
+
 def _restore_args(abstract: Any) -> Any:
     """Shapes with shardings: each process reads only its shards. Without: whole numpy arrays."""
     return jax.tree.map(

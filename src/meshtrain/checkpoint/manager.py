@@ -48,6 +48,7 @@ from meshtrain.checkpoint.layout import (
     committed_steps,
     find_checkpoints,
     first_param_mismatch,
+    first_state_mismatch,
     read_meta,
     read_params,
     read_state,
@@ -58,7 +59,8 @@ from meshtrain.config import CheckpointConfig, Config
 from meshtrain.data import BatchIterator
 from meshtrain.errors import ConfigError
 from meshtrain.train.guard import raise_if_nonfinite
-from meshtrain.train.state import ModelPlan, TrainState
+from meshtrain.train.optimizer import build_optimizer
+from meshtrain.train.state import ModelPlan, TrainState, train_state_shapes
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +99,7 @@ class RunCheckpoints:
         directory = (Path(ckpt.dir) if ckpt.dir else Path(run_dir) / "checkpoints").resolve()
         source = _choose_source(ckpt, directory)
         if source.candidates:
-            source = _check_model(source, plan)
+            source = _check_model(source, plan, cfg)
         if source.start_step > cfg.training.steps:
             raise ConfigError(
                 f"training.steps={cfg.training.steps} is below step {source.start_step} of the "
@@ -315,9 +317,10 @@ def _choose_source(ckpt: CheckpointConfig, directory: Path) -> _Source:
     return _Source("fresh", "checkpoint.resume")
 
 
-def _check_model(source: _Source, plan: ModelPlan) -> _Source:
-    """Compares the newest candidate that has a readable description with the model; damaged
-    ones are left for restore_or_init to report and skip."""
+def _check_model(source: _Source, plan: ModelPlan, cfg: Config) -> _Source:
+    """Compares the newest candidate that has a readable description with the model and, when
+    resuming, with the optimizer's state; damaged ones are left for restore_or_init to report
+    and skip."""
     for path in source.candidates:
         try:
             meta, saved = read_meta(path), saved_params(path)
@@ -330,8 +333,18 @@ def _check_model(source: _Source, plan: ModelPlan) -> _Source:
                 "config it was trained with (saved in its meta/), or start fresh with "
                 "checkpoint.resume=never"
             )
-        start = int(meta.get("step", 0)) if source.kind == "resume" else 0
-        return dataclasses.replace(source, start_step=start)
+        if source.kind != "resume":
+            return source
+        expected = train_state_shapes(plan, build_optimizer(cfg.training)).replace(params=None)
+        mismatch = first_state_mismatch(meta, expected)
+        if mismatch:
+            raise ConfigError(
+                f"{source.key}: {path} was written with other optimizer settings: {mismatch}; "
+                "resume with the training.* settings it was trained with (saved in its meta/; "
+                "training.grad_clip=0 or > 0 changes the state), or fine-tune from its weights "
+                f"in a new run with checkpoint.load_params={path}"
+            )
+        return dataclasses.replace(source, start_step=int(meta.get("step", 0)))
     return source
 
 

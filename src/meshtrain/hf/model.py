@@ -5,31 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from meshtrain.config import ModelConfig
 from meshtrain.hf.checkpoint import check_init_from, load_params
 from meshtrain.hf.config import model_config_from_hf, read_config_json
-from meshtrain.mesh import MESH_AXES, MeshSpec, build_mesh, parse_mesh_shape
+from meshtrain.mesh import resolve_mesh
 from meshtrain.models.transformer import Transformer
 from meshtrain.train.state import merge_model, plan_model
-
-
-def _mesh(mesh: Mesh | list[Any] | None) -> tuple[Mesh, MeshSpec]:
-    if mesh is None:  # one device, no sharding
-        spec = parse_mesh_shape([[1, 1], ["fsdp", "tp"]], 1)
-        return build_mesh(spec, jax.devices()[:1]), spec
-    if isinstance(mesh, Mesh):
-        if set(mesh.axis_names) != set(MESH_AXES):
-            raise ValueError(
-                f"mesh axes {mesh.axis_names} are not meshtrain's {MESH_AXES}; pass a "
-                'mesh_shape like [[4,2],["fsdp","tp"]] instead'
-            )
-        return mesh, MeshSpec({axis: mesh.shape[axis] for axis in MESH_AXES})
-    spec = parse_mesh_shape(mesh, len(jax.devices()))
-    return build_mesh(spec), spec
 
 
 def hf_model_config(path: str | Path, **fields: Any) -> ModelConfig:
@@ -57,7 +41,7 @@ def load_hf(
     directory = Path(path).expanduser()
     cfg = hf_model_config(directory, scan_layers=scan_layers, init_from=f"hf:{directory}")
     check_init_from(cfg)  # every tensor present with its shape, before anything is allocated
-    mesh, spec = _mesh(mesh)
+    mesh, spec = resolve_mesh(mesh)
     plan = plan_model(cfg, mesh, spec)
     params = load_params(directory, cfg, plan.abstract_params, plan.param_shardings, dtype=dtype)
     return merge_model(plan, params)

@@ -1,7 +1,7 @@
 """The training run: validate → mesh → sharded state → data → loop, wiring the metric sinks.
 
-This is the only module that knows about every other one; it reads top to bottom like the
-diagram in DESIGN.md.
+This is the only module that knows about every other one; it reads top to bottom in the order
+a run goes.
 """
 
 from __future__ import annotations

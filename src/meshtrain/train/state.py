@@ -127,12 +127,17 @@ def create_train_state(
     return jax.jit(init, out_shardings=shardings)()
 
 
+def train_state_shapes(plan: ModelPlan, tx: optax.GradientTransformation) -> TrainState:
+    """The train state as ShapeDtypeStructs without shardings: its structure, allocating nothing."""
+    return jax.eval_shape(lambda p: _state_from_params(p, tx, 0), plan.abstract_params)
+
+
 def abstract_train_state(
     plan: ModelPlan, tx: optax.GradientTransformation, shardings: TrainState
 ) -> TrainState:
     """The train state as ShapeDtypeStructs carrying their shardings, allocating nothing: the
     restore target of a checkpoint, and enough to compile the train step."""
-    shapes = jax.eval_shape(lambda p: _state_from_params(p, tx, 0), plan.abstract_params)
+    shapes = train_state_shapes(plan, tx)
     return jax.tree.map(
         lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
         shapes,
