@@ -1,7 +1,10 @@
 """Test set-up: 8 faked CPU devices, set before JAX starts, and helpers to compose real configs."""
 # ruff: noqa: E402  (the environment must be set before anything imports jax)
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # The tests compile far more than they compute: without XLA's expensive CPU optimisations the
 # compiles take half the time (the losses agree to the digits the docs print). Both sides of
@@ -13,6 +16,14 @@ os.environ["XLA_FLAGS"] = (
     f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE} --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Most test launches compile the same few small programs: a compilation cache shared by this
+# session's processes (and inherited by the subprocesses) compiles each of them once. A fresh
+# directory per session, so nothing carries over from one session to the next.
+_COMPILATION_CACHE = tempfile.mkdtemp(prefix="meshtrain-test-jax-cache-")
+atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _COMPILATION_CACHE
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 from pathlib import Path
 

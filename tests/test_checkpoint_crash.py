@@ -47,8 +47,10 @@ def launch(run_dir, kill: str | None = None) -> subprocess.CompletedProcess:
 
 
 def losses(run_dir) -> dict[int, float]:
-    """Step → loss; a step logged by several attempts keeps the last attempt's value."""
+    """Step → loss, checking that metrics.jsonl logs each step once, in order."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [line["step"] for line in lines]
+    assert steps == sorted(set(steps)), steps
     return {line["step"]: line["loss"] for line in lines}
 
 
@@ -81,6 +83,7 @@ def test_sigkill_and_a_half_written_checkpoint_resume_bit_identically(tmp_path):
     # Losses of steps 4..9 and the whole final state (parameters, Adam moments, step, RNG key,
     # data position) are bit-identical to the uninterrupted run's.
     expected, got = losses(straight), losses(crashed)
+    assert list(got) == list(range(1, 10))  # three attempts, each step logged once
     assert [got[step] for step in range(4, 10)] == [expected[step] for step in range(4, 10)]
     final, reference = read_meta(checkpoints / "9"), read_meta(straight / "checkpoints" / "9")
     assert final["fingerprints"] == reference["fingerprints"]

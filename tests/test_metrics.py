@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.record_writer import masked_crc32c
 
 from meshtrain import metrics
@@ -54,10 +54,8 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> _FakeClock:
     return fake
 
 
-def _read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Parse the TFRecord-framed Event protos of every event file, checking the CRCs."""
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    (path,) = run_dir.glob("events.out.tfevents.*")
+def _read_events(path: Path) -> Iterator[Event]:
+    """Parse the TFRecord-framed Event protos of one event file, checking the CRCs."""
     data = path.read_bytes()
     pos = 0
     while pos < len(data):
@@ -69,7 +67,14 @@ def _read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
         assert header_crc == masked_crc32c(header)
         assert body_crc == masked_crc32c(body)
         pos += 16 + length
-        event = Event.FromString(body)
+        yield Event.FromString(body)
+
+
+def _read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Tag → (step, value) of the run's one event file."""
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    (path,) = run_dir.glob("events.out.tfevents.*")
+    for event in _read_events(path):
         for value in event.summary.value:
             scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
@@ -95,6 +100,38 @@ def test_metrics_jsonl_has_one_exact_line_per_step(tmp_path: Path) -> None:
     ]
     assert list(json.loads(lines[0])) == ["step", "loss", "learning_rate", "tokens_per_sec"]
     assert isinstance(json.loads(lines[1])["tokens_per_sec"], float)
+
+
+def test_resumed_writer_replaces_the_steps_after_its_start(tmp_path: Path) -> None:
+    with MetricsWriter(tmp_path, total_steps=5, is_main=True) as writer:
+        for step in range(1, 6):
+            writer.write(step, {"loss": float(step)})
+    with (tmp_path / "metrics.jsonl").open("a") as jsonl:
+        jsonl.write('{"step": 6, "lo')  # the partial line of a killed process
+    (first_events,) = tmp_path.glob("events.out.tfevents.*")
+
+    # Resumed from the checkpoint of step 3: steps 4 and 5 are trained and logged again.
+    with MetricsWriter(tmp_path, total_steps=5, is_main=True, start_step=3) as writer:
+        for step in (4, 5):
+            writer.write(step, {"loss": step + 0.5})
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"step": 1, "loss": 1.0},
+        {"step": 2, "loss": 2.0},
+        {"step": 3, "loss": 3.0},
+        {"step": 4, "loss": 4.5},
+        {"step": 5, "loss": 5.5},
+    ]
+    assert [path.name for path in tmp_path.iterdir() if path.suffix == ".tmp"] == []
+    # TensorBoard hides the first attempt's events from step 4 on: the new event file starts
+    # with a session START at step 4, which purges them.
+    (second_events,) = set(tmp_path.glob("events.out.tfevents.*")) - {first_events}
+    events = list(_read_events(second_events))
+    starts = [event.step for event in events if event.session_log.status == SessionLog.START]
+    assert starts == [4]
+    logged = [(event.step, value.simple_value) for event in events for value in event.summary.value]
+    assert logged == [(4, 4.5), (5, 5.5)]
 
 
 def test_train_log_has_formatted_step_line(tmp_path: Path, clock: _FakeClock) -> None:

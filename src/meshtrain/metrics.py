@@ -6,16 +6,20 @@ rank<N>.log and prints only warnings and errors.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import os
 import shutil
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
-from tensorboardX import SummaryWriter
+if TYPE_CHECKING:
+    from tensorboardX import SummaryWriter
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +42,7 @@ _DISPLAY: dict[str, tuple[str, str]] = {
     "memory_peak_gib": ("mem_peak", "{:.2f}GiB"),
 }
 _BAR_WIDTH = 20
+_writer_numbers = itertools.count()
 
 
 class _ConsoleHandler(logging.StreamHandler):
@@ -129,6 +134,47 @@ def _console_handler() -> _ConsoleHandler | None:
     return None
 
 
+def _import_summary_writer() -> type[SummaryWriter]:
+    """tensorboardX's SummaryWriter, imported without torch.
+
+    tensorboardX imports torch when it is installed (1.4 s of every launch on a 2-core machine)
+    only to accept torch tensors; meshtrain logs floats. Unless torch is loaded already, it is
+    hidden while tensorboardX loads, and its functions that need torch import it themselves.
+    """
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
+    try:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    finally:
+        del sys.modules["torch"]
+
+
+def _truncate_jsonl(path: Path, *, last_step: int) -> None:
+    """Keep only the lines of `path` for steps <= last_step, replacing the file atomically.
+
+    Lines that do not parse (the partial last line of a killed process) are dropped too.
+    """
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and step <= last_step:
+            kept.append(line + "\n")
+    staged = path.with_name(path.name + ".tmp")
+    staged.write_text("".join(kept), encoding="utf-8")
+    os.replace(staged, path)
+
+
 class MetricsWriter:
     """Writes each logged step to metrics.jsonl, TensorBoard, the log and the progress line."""
 
@@ -143,9 +189,19 @@ class MetricsWriter:
         if not is_main:
             return
         run_dir = Path(run_dir)
-        # Append: a resumed run in the same directory keeps the lines of the earlier attempt.
-        self._jsonl = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        self._tb = SummaryWriter(logdir=str(run_dir))
+        # A run resumed at start_step in the same directory continues the earlier attempt's
+        # history: steps after start_step were trained again from the checkpoint, so their old
+        # lines and TensorBoard events go, and each step appears once. train.log keeps them all.
+        jsonl_path = run_dir / "metrics.jsonl"
+        _truncate_jsonl(jsonl_path, last_step=start_step)
+        self._jsonl = jsonl_path.open("a", encoding="utf-8")
+        # tensorboardX names its file by the second and the host and truncates a file of that
+        # name: the pid and a per-process count keep a second writer from erasing the first's.
+        self._tb = _import_summary_writer()(
+            logdir=str(run_dir),
+            purge_step=start_step + 1,
+            filename_suffix=f".{os.getpid()}.{next(_writer_numbers)}",
+        )
         self._closed = False
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
