@@ -1,6 +1,7 @@
 """The real command line: one-line errors with exit code 2, --cfg job, --help, multirun."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -8,11 +9,13 @@ import pytest
 from conftest import REPO, subprocess_env
 
 
-def run_cli(*args: str, devices: int = 8, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, devices: int = 8, timeout: int = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "run_training.py", *args],
         cwd=REPO,
-        env=subprocess_env(devices),
+        env=subprocess_env(devices) if env is None else env,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -91,14 +94,21 @@ def test_help_lists_the_config_groups():
 
 
 def test_train_from_the_command_line_with_a_quoted_mesh(tmp_path):
+    env = subprocess_env(8)
+    del env["JAX_PLATFORMS"]  # as a user runs it: JAX probes every backend it knows
     result = run_cli(
         'model.mesh_shape=[[4,2],["fsdp","tp"]]',
         "training.steps=3",
         "training.log_every=1",
         "training.eval_every=0",
         f"hydra.run.dir={tmp_path}",
+        env=env,
     )
     assert result.returncode == 0, result.stderr
+    # The console shows meshtrain's lines only (no JAX INFO lines about backends it lacks).
+    for line in result.stdout.splitlines():
+        assert re.fullmatch(r"\d\d:\d\d:\d\d (INFO|WARNING) meshtrain\.\S+: .*", line), line
+    assert "Unable to initialize backend" not in result.stderr
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3]
     assert (tmp_path / ".hydra" / "config.yaml").exists()

@@ -7,6 +7,7 @@ code 1; we ask it to raise them instead and print one line that names the key an
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -77,6 +78,9 @@ def train_from_hydra(cfg: DictConfig) -> None:
     from meshtrain.train.guard import NonFiniteError
     from meshtrain.train.loop import dry_run, train
 
+    # Hydra sets the root logger to INFO; JAX's INFO lines (its backend probing, e.g. "Unable to
+    # initialize backend 'tpu'") stay hidden, as in any other Python program.
+    logging.getLogger("jax").setLevel(logging.WARNING)
     try:
         config = to_config(cfg)
         use_fake_cpu_devices(config.plan.fake_devices)  # before anything starts JAX's backend
