@@ -141,17 +141,15 @@ def _import_summary_writer() -> type[SummaryWriter]:
     only to accept torch tensors; meshtrain logs floats. Unless torch is loaded already, it is
     hidden while tensorboardX loads, and its functions that need torch import it themselves.
     """
-    if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-
-        return SummaryWriter
-    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
+    hide_torch = "torch" not in sys.modules
+    if hide_torch:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
     try:
         from tensorboardX import SummaryWriter
-
-        return SummaryWriter
     finally:
-        del sys.modules["torch"]
+        if hide_torch:
+            del sys.modules["torch"]
+    return SummaryWriter
 
 
 def _truncate_jsonl(path: Path, *, last_step: int) -> None:
