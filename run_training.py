@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from meshtrain.cli import make_main
+from meshtrain.cli.train import make_main
 
 main = make_main(Path(__file__).parent / "configs")
 

@@ -19,10 +19,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from meshtrain.cli import describe_config_error
+from meshtrain.cli.train import describe_config_error
 from meshtrain.config import register_configs, to_config
 from meshtrain.errors import ConfigError
-from meshtrain.hf.export import export_hf
+from meshtrain.hf.save import export_hf
 from meshtrain.train.loop import train
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from meshtrain.config import ModelConfig
 from meshtrain.data.corpus import list_documents
-from meshtrain.hf.export import export_hf
+from meshtrain.hf.save import export_hf
 from meshtrain.models.transformer import Transformer
 
 SPECIALS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>"}

@@ -48,7 +48,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO / "tests"))
     from conftest import compose_config
 
-    from meshtrain.communication import format_bytes as gib
+    from meshtrain.units import format_bytes as gib
     from meshtrain.train.loop import dry_run
 
     logging.disable(logging.INFO)

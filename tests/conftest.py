@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from meshtrain.config import Config, register_configs, to_config
+from meshtrain.config import Config
+from meshtrain.config.hydra import register_configs, to_config
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO / "configs"

@@ -12,7 +12,7 @@ from flax import nnx
 
 import meshtrain
 from meshtrain.checkpoint.layout import fingerprints
-from meshtrain.checkpoint.model import checkpoint_config, load_checkpoint
+from meshtrain.inference.load_checkpoint import checkpoint_config, load_checkpoint
 from meshtrain.errors import ConfigError
 from meshtrain.train.loop import train
 from meshtrain.train.state import merge_model

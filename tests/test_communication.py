@@ -6,7 +6,7 @@ import jax
 import pytest
 from conftest import compose_config
 
-from meshtrain.communication import account_collectives
+from meshtrain.observe.communication import account_collectives
 from meshtrain.train.loop import dry_run
 
 # The tiny model: every weight matrix has an `embed` dimension (sharded over fsdp); the three

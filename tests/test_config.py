@@ -13,8 +13,8 @@ from conftest import CONFIG_DIR, compose_config
 from meshtrain import config as config_module
 from meshtrain.config import CheckpointConfig, Config, DataConfig, ModelConfig, TrainingConfig
 from meshtrain.errors import ConfigError
-from meshtrain.mesh import parse_mesh_shape
-from meshtrain.validate import check_against_mesh, check_config
+from meshtrain.parallel.mesh import parse_mesh_shape
+from meshtrain.config.validate import check_against_mesh, check_config
 
 SCHEMAS = {
     "model": ModelConfig,

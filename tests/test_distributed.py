@@ -15,9 +15,9 @@ import pytest
 from conftest import REPO, subprocess_env
 from test_launch import SMALL_RUN, launcher, losses
 
-from meshtrain.distributed import check_devices
+from meshtrain.distributed.runtime import check_devices
 from meshtrain.errors import DistributedError
-from meshtrain.launch import free_port
+from meshtrain.distributed.launcher import free_port
 
 ENTRY = str(REPO / "run_training.py")
 

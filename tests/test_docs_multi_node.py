@@ -18,8 +18,8 @@ import pytest
 from conftest import REPO, subprocess_env
 from test_docs import fenced_blocks
 
-from meshtrain.launch import parse_args, plan_node
-from meshtrain.launch_env import read_torchrun_env
+from meshtrain.distributed.launcher import parse_args, plan_node
+from meshtrain.distributed.environment import read_torchrun_env
 
 DOC = "docs/multi-node.md"
 LAUNCH = "python -m meshtrain.launch"

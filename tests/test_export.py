@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 from meshtrain.checkpoint import find_checkpoints, named_leaves, read_meta, read_params
 from meshtrain.checkpoint.layout import save_args
 from meshtrain.data import build_tokenizer
-from meshtrain.export import ExportError, export
+from meshtrain.inference.export import ExportError, export
 from meshtrain.models.transformer import Transformer
 from meshtrain.train.guard import initial_record
 from meshtrain.train.state import TrainState

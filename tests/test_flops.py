@@ -8,7 +8,7 @@ import pytest
 from conftest import compose_config
 from flax import nnx
 
-from meshtrain.flops import (
+from meshtrain.observe.flops import (
     attended_keys,
     attention_windows,
     format_flops,

@@ -21,14 +21,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshtrain.data import BatchIterator, build_tokenizer
 from meshtrain.errors import ConfigError
-from meshtrain.hf.export import export_hf
-from meshtrain.hf.model import load_hf
+from meshtrain.hf.save import export_hf
+from meshtrain.inference.load import load_hf
 from meshtrain.hf.safetensors_io import INDEX_FILE, CheckpointReader
-from meshtrain.hf.weights import hf_tensors
+from meshtrain.hf.tensor_map import hf_tensors
 from meshtrain.train.loop import prepare, train
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.state import create_train_state, merge_model, state_shardings
-from meshtrain.validate import check_config
+from meshtrain.config.validate import check_config
 
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, SEQ_LEN))  # longer than Gemma's window
 # The bar of the issue. The measured difference is ~1e-6 relative: fp32 rounding of the same

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshtrain.hlo import Array, parse_module, parse_shape, replica_groups, source_target_pairs
+from meshtrain.observe.hlo import Array, parse_module, parse_shape, replica_groups, source_target_pairs
 
 
 def instruction(attributes: str):

@@ -16,7 +16,7 @@ from conftest import REPO, subprocess_env
 
 from meshtrain.checkpoint import committed_steps, read_meta
 from meshtrain.errors import ConfigError
-from meshtrain.launch import NodePlan, plan_node, process_env, shell_exit_code
+from meshtrain.distributed.launcher import NodePlan, plan_node, process_env, shell_exit_code
 
 SMALL_RUN = (
     "data=synthetic",

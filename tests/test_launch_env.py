@@ -8,7 +8,7 @@ from conftest import CONFIG_DIR
 
 from meshtrain.config import DistributedConfig
 from meshtrain.errors import ConfigError
-from meshtrain.launch_env import (
+from meshtrain.distributed.environment import (
     env_process_id,
     first_slurm_host,
     hydra_output_subdir,

@@ -4,7 +4,7 @@ import jax
 import pytest
 
 from meshtrain.errors import ConfigError
-from meshtrain.mesh import MESH_AXES, MeshSpec, build_mesh, devices_by_host, parse_mesh_shape
+from meshtrain.parallel.mesh import MESH_AXES, MeshSpec, build_mesh, devices_by_host, parse_mesh_shape
 
 
 @pytest.mark.parametrize(

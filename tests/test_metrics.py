@@ -15,8 +15,9 @@ import pytest
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.record_writer import masked_crc32c
 
-from meshtrain import metrics
-from meshtrain.metrics import MetricsWriter, format_eta, setup_logging
+from meshtrain.observe import metrics
+from meshtrain.observe.metrics import MetricsWriter, setup_logging
+from meshtrain.units import format_eta
 
 STEP_METRICS = {
     "loss": 4.123449,
@@ -252,7 +253,7 @@ def test_tty_progress_line_is_cleared_before_log_lines(
 def test_eta_uses_steps_since_first_write_and_start_step(
     tmp_path: Path, clock: _FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="meshtrain.metrics")
+    caplog.set_level(logging.INFO, logger="meshtrain.observe.metrics")
     with MetricsWriter(tmp_path, total_steps=300, is_main=True, start_step=100) as writer:
         clock.now = 20.0
         writer.write(110, {"loss": 1.0})  # 10 steps in 20 s since creation → 190 × 2 s

@@ -15,10 +15,10 @@ from conftest import CONFIG_DIR, REPO, compose_config
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from meshtrain.errors import ConfigError
-from meshtrain.hf.config import architecture_from_hf, check_matches
-from meshtrain.mesh import parse_mesh_shape
+from meshtrain.hf.config_json import architecture_from_hf, check_matches
+from meshtrain.parallel.mesh import parse_mesh_shape
 from meshtrain.models.transformer import parameter_count
-from meshtrain.validate import check_against_mesh, check_config
+from meshtrain.config.validate import check_against_mesh, check_config
 
 NAMES = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml") if p.stem != "tiny")
 PUBLISHED = REPO / "tests" / "hf_configs"

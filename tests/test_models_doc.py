@@ -65,7 +65,7 @@ def test_the_walkthrough_runs_as_documented(tmp_path):
             assert result.stderr.strip().splitlines()[-1] == error.replace(DEMO, demo), described
             continue
         assert result.returncode == 0, described
-        if kind == "bash" and "meshtrain.generate" in code:
+        if kind == "bash" and "meshtrain.inference.generate" in code:
             assert result.stdout.startswith("def main("), described
         if kind == "python" and "model(tokens)" in code:
             assert re.match(r"\(1, \d+, 384\) ", result.stdout), described

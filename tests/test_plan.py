@@ -11,9 +11,10 @@ import pytest
 from conftest import REPO, compose_config, subprocess_env
 from test_communication import F32, MATRIX_PARAMS, NORM_PARAMS
 
-from meshtrain.accelerators import GIB, accelerator_for_kind, accelerator_named
+from meshtrain.accelerators import accelerator_for_kind, accelerator_named
+from meshtrain.units import GIB
 from meshtrain.errors import ConfigError
-from meshtrain.plan import MemoryPlan, use_fake_cpu_devices
+from meshtrain.observe.memory_plan import MemoryPlan, use_fake_cpu_devices
 from meshtrain.train.loop import dry_run
 
 # AdamW's two step counters (scale_by_adam, scale_by_learning_rate): int32, replicated.

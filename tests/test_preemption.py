@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, subprocess_env
 
 from meshtrain.checkpoint import committed_steps, read_meta
-from meshtrain.preemption import exit_code_for
+from meshtrain.distributed.preemption import exit_code_for
 
 
 def start(run_dir: Path) -> subprocess.Popen:

@@ -11,9 +11,9 @@ import pytest
 from conftest import REPO, compose_config, subprocess_env
 
 from meshtrain.errors import ConfigError
-from meshtrain.profiler import ProfilerWindow
-from meshtrain.trace import collective_time, find_trace, step_annotations
-from meshtrain.validate import check_config
+from meshtrain.observe.profiler import ProfilerWindow
+from meshtrain.observe.trace import collective_time, find_trace, step_annotations
+from meshtrain.config.validate import check_config
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_docs import check_metrics, describe, doc_commands, parse, run_training_command
 
-from meshtrain.trace import find_trace
+from meshtrain.observe.trace import find_trace
 
 DOCS = ("docs/profiling.md", "docs/planning.md")
 

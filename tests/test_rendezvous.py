@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from meshtrain.errors import ConfigError, DistributedError
-from meshtrain.launch import free_port
-from meshtrain.rendezvous import Roster, roll_call
+from meshtrain.distributed.launcher import free_port
+from meshtrain.distributed.rendezvous import Roster, roll_call
 
 
 def call_roll(world_sizes: dict[int, int], timeout_s: float = 20.0) -> dict[int, object]:
@@ -85,7 +85,7 @@ def _try(address, world, rank, timeout_s=10.0):
 @pytest.fixture(autouse=True)
 def short_settle(monkeypatch):
     # Process 0 waits this long for the others to hear news; here nobody exits on news.
-    monkeypatch.setattr("meshtrain.rendezvous.SETTLE_S", 0.2)
+    monkeypatch.setattr("meshtrain.distributed.rendezvous.SETTLE_S", 0.2)
 
 
 def _watched(rosters: dict[int, Roster]) -> dict[int, queue.Queue]:

@@ -10,8 +10,8 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain.config import DEFAULT_LOGICAL_AXIS_RULES
 from meshtrain.errors import ConfigError
-from meshtrain.mesh import build_mesh, parse_mesh_shape
-from meshtrain.sharding import check_rules, logical_to_spec
+from meshtrain.parallel.mesh import build_mesh, parse_mesh_shape
+from meshtrain.parallel.rules import check_rules, logical_to_spec
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.state import create_train_state, plan_model, state_shardings
 

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import jax
 import pytest
 
-from meshtrain.accelerators import GIB
-from meshtrain.throughput import ThroughputMeter, memory_metrics, peak_flops_per_device
+from meshtrain.units import GIB
+from meshtrain.observe.throughput import ThroughputMeter, memory_metrics, peak_flops_per_device
 
 
 def fake_device(kind: str, platform: str = "gpu", stats=None):

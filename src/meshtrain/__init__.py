@@ -13,11 +13,11 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "load_hf": ("meshtrain.hf.model", "load_hf"),
-    "load_checkpoint": ("meshtrain.checkpoint.model", "load_checkpoint"),
-    "export_hf": ("meshtrain.hf.export", "export_hf"),
+    "load_hf": ("meshtrain.inference.load", "load_hf"),
+    "load_checkpoint": ("meshtrain.inference.load", "load_checkpoint"),
+    "export_hf": ("meshtrain.hf.save", "export_hf"),
     "build_tokenizer": ("meshtrain.data.tokenizer", "build_tokenizer"),
-    "generate": ("meshtrain.generate", None),  # the module, which is callable as the function
+    "generate": ("meshtrain.inference.generate", "generate"),
 }
 __all__ = sorted(_LAZY)
 
@@ -26,5 +26,4 @@ def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'meshtrain' has no attribute {name!r}")
     module_name, attribute = _LAZY[name]
-    module = importlib.import_module(module_name)
-    return module if attribute is None else getattr(module, attribute)
+    return getattr(importlib.import_module(module_name), attribute)

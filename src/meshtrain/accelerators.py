@@ -21,8 +21,6 @@ from dataclasses import dataclass
 
 from meshtrain.errors import ConfigError
 
-GIB = 1024**3
-
 
 @dataclass(frozen=True)
 class Accelerator:

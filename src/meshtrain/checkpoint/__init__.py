@@ -1,4 +1,8 @@
-"""Checkpoints: orbax, asynchronous, atomic, verified, restorable onto any mesh (docs/checkpointing.md)."""
+"""Checkpoints: orbax, asynchronous, atomic, verified, restorable onto any mesh (docs/checkpointing.md).
+
+A checkpoint holds any two pytrees of arrays (parameters and the rest of a state) with their
+abstract targets; this package knows nothing of training.
+"""
 
 from meshtrain.checkpoint.layout import (
     CorruptCheckpoint,

@@ -4,7 +4,8 @@ A checkpoint is one directory of three orbax items, committed atomically (orbax 
 a temporary name and renames it once every process has finished):
 
     params/        the model parameters, one array per parameter, stored in shards
-    train_state/   the rest of the train state: step, optimizer state, RNG key, non-finite record
+    train_state/   the rest of the state (training's: step, optimizer state, RNG key, non-finite
+                   record); any pytree of arrays: this package knows nothing of training
     meta/          JSON: format, step, data position, resolved config, fingerprint of every array
 
 A run writes one per saved step, `<checkpoint.dir>/<step>/`; `meshtrain.export` writes params/ and
@@ -28,8 +29,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-
-from meshtrain.train.state import TrainState
 
 PARAMS, TRAIN_STATE, META = "params", "train_state", "meta"
 FORMAT = 1  # meta["format"]; bump when the layout changes
@@ -78,20 +77,20 @@ def fingerprints(tree: Any, prefix: str = "") -> dict[str, int]:
     return {prefix + name: int(value) for name, value in named_leaves(values).items()}
 
 
-def save_args(state: TrainState, meta: dict[str, Any]) -> ocp.args.Composite:
-    """The orbax items of one checkpoint; meta gets the fingerprints of the whole state."""
-    rest = state.replace(params=None)
+def save_args(params: Any, rest: Any, meta: dict[str, Any]) -> ocp.args.Composite:
+    """The orbax items of one checkpoint: the parameters, the rest of the state (any pytree of
+    arrays) and meta, which gets the fingerprints of both."""
     meta = {
         "format": FORMAT,
         **meta,
         "fingerprints": {
-            **fingerprints(state.params, f"{PARAMS}."),
+            **fingerprints(params, f"{PARAMS}."),
             **fingerprints(rest, f"{TRAIN_STATE}."),
         },
     }
     return ocp.args.Composite(
         **{
-            PARAMS: ocp.args.StandardSave(state.params),
+            PARAMS: ocp.args.StandardSave(params),
             TRAIN_STATE: ocp.args.StandardSave(rest),
             META: ocp.args.JsonSave(meta),
         }
@@ -245,12 +244,13 @@ def _read_items(path: Path, targets: dict[str, Any]) -> tuple[dict[str, Any], di
     return {item: restored[item] for item in targets}, meta
 
 
-def read_state(path: Path, abstract: TrainState) -> tuple[TrainState, dict[str, Any]]:
-    """The whole train state, each array read straight into the sharding in `abstract`."""
-    items, meta = _read_items(
-        path, {PARAMS: abstract.params, TRAIN_STATE: abstract.replace(params=None)}
-    )
-    return items[TRAIN_STATE].replace(params=items[PARAMS]), meta
+def read_state(
+    path: Path, abstract_params: Any, abstract_rest: Any
+) -> tuple[Any, Any, dict[str, Any]]:
+    """(parameters, rest of the state, meta), each array read straight into the sharding of its
+    abstract target (a tree of ShapeDtypeStructs)."""
+    items, meta = _read_items(path, {PARAMS: abstract_params, TRAIN_STATE: abstract_rest})
+    return items[PARAMS], items[TRAIN_STATE], meta
 
 
 def read_params(path: Path, abstract_params: Any = None) -> tuple[Any, dict[str, Any]]:

@@ -1,19 +1,23 @@
-"""This run's checkpoints: what it starts from, when it saves, and that nothing good is lost.
+"""This run's checkpoints: what it resumes from, when it saves, and that nothing good is lost.
 
-The training loop uses three calls and a `with`:
+A checkpoint holds a state as two pytrees of arrays, the parameters and the rest, with abstract
+targets (ShapeDtypeStructs with shardings) given at `open`; this module knows nothing of what
+they mean. The training loop uses four calls and a `with`:
 
-    checkpoints = RunCheckpoints.open(cfg, run_dir, plan)        # start-up checks, nothing compiled
-    state, start_step = checkpoints.restore_or_init(abstract, init, batches)
-    checkpoints.maybe_save(step, state, batches, force=is_last)  # every checkpoint.every_steps
+    checkpoints = RunCheckpoints.open(cfg.checkpoint, run_dir, abstract_params, abstract_rest, ...)
+    params, rest, start_step = checkpoints.restore_or_init(init, data)
+    if checkpoints.is_due(step, force=is_last):                  # every checkpoint.every_steps
+        checkpoints.save(step, params, rest, data)
 
 Leaving the `with` block waits until the last asynchronous write has committed.
 
-Where a run starts from (checkpoint.resume, checkpoint.load_params):
-  - auto: the newest readable checkpoint in checkpoint.dir; if there is none, load_params or a
-    fresh init. A damaged newest checkpoint is reported, moved aside to `<step>.corrupted`
-    (never deleted) and the previous one is used.
-  - never: a fresh init (or load_params); refuses a checkpoint.dir that already holds checkpoints
-    unless checkpoint.overwrite=true, which deletes them.
+Where a run resumes from (checkpoint.resume):
+  - auto: the newest readable checkpoint in checkpoint.dir; if there is none, `init()` (a fresh
+    state, or one around checkpoint.load_params: meshtrain.train.initial_weights). A damaged
+    newest checkpoint is reported, moved aside to `<step>.corrupted` (never deleted) and the
+    previous one is used.
+  - never: `init()`; refuses a checkpoint.dir that already holds checkpoints unless
+    checkpoint.overwrite=true, which deletes them.
   - a path: that checkpoint, a directory of them, or a run directory.
 
 Saving uses orbax's CheckpointManager: each checkpoint is written under a temporary name and
@@ -34,10 +38,10 @@ import logging
 import os
 import shutil
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import orbax.checkpoint as ocp
@@ -50,29 +54,34 @@ from meshtrain.checkpoint.layout import (
     first_param_mismatch,
     first_state_mismatch,
     read_meta,
-    read_params,
     read_state,
     save_args,
     saved_params,
 )
-from meshtrain.config import CheckpointConfig, Config
-from meshtrain.data import BatchIterator
+from meshtrain.config.schema import CheckpointConfig, ResumeMode, choices
 from meshtrain.errors import ConfigError
-from meshtrain.train.guard import raise_if_nonfinite
-from meshtrain.train.optimizer import build_optimizer
-from meshtrain.train.state import ModelPlan, TrainState, train_state_shapes
 
 log = logging.getLogger(__name__)
 
-RESUME_MODES = ("auto", "never")
+
 TEST_KILL_ENV = "MESHTRAIN_TEST_KILL_AFTER_SAVE"
+
+
+class DataPosition(Protocol):
+    """Where the input pipeline stands: saved with each checkpoint, set again on resume."""
+
+    global_batch: int
+
+    def get_state(self) -> dict[str, Any]: ...
+
+    def set_state(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class _Source:
     """What the run starts from: checkpoints to try newest first, or nothing (a fresh init)."""
 
-    kind: str  # "resume" (the whole train state), "params" (weights only) or "fresh"
+    kind: str  # "resume" (the whole state) or "fresh"
     key: str  # the config key that named the source, for messages
     candidates: tuple[Path, ...] = ()
     start_step: int = 0  # the step of the newest candidate with a readable description
@@ -81,28 +90,49 @@ class _Source:
 class RunCheckpoints:
     """The checkpoints of one run; use `open`, then as a context manager."""
 
-    def __init__(self, cfg: Config, directory: Path, source: _Source) -> None:
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        directory: Path,
+        source: _Source,
+        abstract: tuple[Any, Any],
+        run_config: dict[str, Any],
+    ) -> None:
         self.cfg = cfg
         self.directory = directory
         self.source = source
+        self.abstract_params, self.abstract_rest = abstract
+        self.run_config = run_config
         self.last_saved: Path | None = None
         self._manager: ocp.CheckpointManager | None = None
 
     @classmethod
-    def open(cls, cfg: Config, run_dir: Path, plan: ModelPlan) -> RunCheckpoints:
-        """Checks the checkpoint settings against the disk and the model; raises ConfigError
-        (nothing compiled, nothing overwritten) for a value that cannot work."""
-        ckpt = cfg.checkpoint
-        _check_values(ckpt)
+    def open(
+        cls,
+        cfg: CheckpointConfig,
+        run_dir: Path,
+        abstract_params: Any,
+        abstract_rest: Any,
+        *,
+        steps: int,
+        run_config: dict[str, Any],
+    ) -> RunCheckpoints:
+        """Checks the checkpoint settings against the disk and the state's structure; raises
+        ConfigError (nothing compiled, nothing overwritten) for a value that cannot work.
+
+        The abstract targets carry the shapes and shardings of this run's mesh, so every array
+        is read straight into its shards whatever mesh wrote it. `steps` is the run's last step
+        (training.steps); `run_config` is saved in each checkpoint's meta/.
+        """
         # orbax logs each phase of every save at INFO through absl; its warnings still show.
         logging.getLogger("absl").setLevel(logging.WARNING)
-        directory = (Path(ckpt.dir) if ckpt.dir else Path(run_dir) / "checkpoints").resolve()
-        source = _choose_source(ckpt, directory)
+        directory = (Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints").resolve()
+        source = _choose_source(cfg, directory)
         if source.candidates:
-            source = _check_model(source, plan, cfg)
-        if source.start_step > cfg.training.steps:
+            source = _check_state(source, abstract_params, abstract_rest)
+        if source.start_step > steps:
             raise ConfigError(
-                f"training.steps={cfg.training.steps} is below step {source.start_step} of the "
+                f"training.steps={steps} is below step {source.start_step} of the "
                 f"checkpoint to resume ({source.candidates[0].parent}); raise training.steps to "
                 "train on from there"
             )
@@ -111,84 +141,74 @@ class RunCheckpoints:
             for step in committed_steps(directory)
             if step > source.start_step and directory / str(step) not in source.candidates
         ]
-        if later and not ckpt.overwrite:
-            raise ConfigError(_later_steps_message(ckpt, directory, later, source.start_step))
+        if later and not cfg.overwrite:
+            raise ConfigError(_later_steps_message(cfg, directory, later, source.start_step))
         _check_writable(directory)
-        return cls(cfg, directory, source)
+        return cls(cfg, directory, source, (abstract_params, abstract_rest), run_config)
+
+    @property
+    def resuming(self) -> bool:
+        """Whether restore_or_init will read a checkpoint of this run (else it calls init)."""
+        return self.source.kind == "resume"
 
     def restore_or_init(
-        self,
-        abstract: TrainState,
-        init: Callable[[Any], TrainState],
-        batches: BatchIterator,
-    ) -> tuple[TrainState, int]:
-        """The train state to start from and its step; `batches` is moved to that step.
-
-        `abstract` holds the shapes and the shardings of this run's mesh, so every array is read
-        straight into its shards whatever mesh wrote it. `init(params_or_None)` creates a fresh
-        state, around given parameters for fine-tuning.
-        """
-        source, start = self.source, 0
-        if source.kind == "resume":
-            (state, meta), path = self._read_newest(lambda p: read_state(p, abstract))
+        self, init: Callable[[], tuple[Any, Any]], data: DataPosition
+    ) -> tuple[Any, Any, int]:
+        """(parameters, rest of the state, step) to start from; `data` is moved to that step.
+        Without a checkpoint to resume, `init()` gives the fresh (parameters, rest)."""
+        start = 0
+        if self.resuming:
+            (params, rest, meta), path = read_newest(
+                self.source.candidates,
+                lambda p: read_state(p, self.abstract_params, self.abstract_rest),
+                key=self.source.key,
+                own_directory=self.directory,
+            )
             start = int(meta["step"])
-            batches.set_state(meta["data"])
+            data.set_state(meta["data"])
             self.last_saved = path
             log.info("resuming from %s at step %d", path, start)
-            if meta.get("global_batch") != batches.global_batch:
+            if meta.get("global_batch") != data.global_batch:
                 log.warning(
                     "the checkpoint was trained with a global batch of %s sequences, this run "
                     "uses %d: the data order from here on differs from the original run's",
                     meta.get("global_batch"),
-                    batches.global_batch,
+                    data.global_batch,
                 )
-        elif source.kind == "params":
-            (params, meta), path = self._read_newest(lambda p: read_params(p, abstract.params))
-            state = init(params)
-            log.info(
-                "parameters from %s (step %s); the optimizer, step and data position start fresh",
-                path,
-                meta.get("step"),
-            )
         else:
-            state = init(None)
+            params, rest = init()
         self._remove_later_steps(start)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=self.cfg.checkpoint.keep,
-                enable_async_checkpointing=self.cfg.checkpoint.async_save,
+                max_to_keep=self.cfg.keep,
+                enable_async_checkpointing=self.cfg.async_save,
                 cleanup_tmp_directories=True,  # half-written saves of a killed run
                 create=True,
             ),
         )
-        return state, start
+        return params, rest, start
 
-    def maybe_save(
-        self, step: int, state: TrainState, batches: BatchIterator, *, force: bool = False
-    ) -> bool:
-        """Saves the state after `step` every checkpoint.every_steps steps, or when forced.
-
-        Refuses (NonFiniteError) to save a state that has met a NaN or Inf with
-        training.nonfinite=stop. Returns whether a save started.
-        """
-        every = self.cfg.checkpoint.every_steps
+    def is_due(self, step: int, *, force: bool = False) -> bool:
+        """Whether the state after `step` is to be saved: every checkpoint.every_steps steps, or
+        when forced, unless that step is saved already."""
+        every = self.cfg.every_steps
         due = force or (every > 0 and step % every == 0)
-        if not due or self._manager is None or self._manager.latest_step() == step:
-            return False
-        last = str(self.last_saved) if self.last_saved else None
-        raise_if_nonfinite(state.nonfinite, self.cfg.training.nonfinite, last_saved=last)
+        return due and self._manager is not None and self._manager.latest_step() != step
+
+    def save(self, step: int, params: Any, rest: Any, data: DataPosition) -> None:
+        """Starts writing the state after `step` (in the background with async_save)."""
+        assert self._manager is not None, "restore_or_init comes first"
         meta = {
             "step": step,
-            "data": batches.get_state(),
-            "global_batch": batches.global_batch,
-            "config": dataclasses.asdict(self.cfg),
+            "data": data.get_state(),
+            "global_batch": data.global_batch,
+            "config": self.run_config,
         }
-        self._manager.save(step, args=save_args(state, meta), force=True)
+        self._manager.save(step, args=save_args(params, rest, meta), force=True)
         self.last_saved = self.directory / str(step)
         log.info("checkpoint of step %d → %s", step, self.last_saved)
         _maybe_kill_for_test(self._manager, step)
-        return True
 
     def close(self) -> None:
         """Waits for the last asynchronous write to commit (raising its error, if any)."""
@@ -208,50 +228,14 @@ class RunCheckpoints:
     ) -> None:
         self.close()
 
-    def _read_newest(self, read: Callable[[Path], Any]) -> tuple[Any, Path]:
-        """read(path) of the newest candidate that reads back intact. Damaged ones newer than it
-        in this run's own directory are then moved aside, so new saves can reuse their steps;
-        if none is intact, nothing is moved."""
-        damaged: list[tuple[Path, str]] = []
-        for path in self.source.candidates:
-            try:
-                result = read(path)
-            except CorruptCheckpoint as err:
-                log.warning("%s; trying the previous checkpoint", err)
-                damaged.append((path, str(err)))
-                continue
-            for bad, _ in damaged:
-                if bad.parent == self.directory:
-                    self._set_aside(bad)
-            return result, path
-        count = len(damaged)
-        raise ConfigError(
-            f"{self.source.key}: no readable checkpoint ({count} tried; the newest: "
-            f"{damaged[0][1]}); point {self.source.key} at a good copy, or start fresh with "
-            "checkpoint.resume=never checkpoint.overwrite=true"
-        )
-
-    def _set_aside(self, path: Path) -> None:
-        target = path.with_name(f"{path.name}.corrupted")
-        suffix = 1
-        while target.exists():
-            suffix += 1
-            target = path.with_name(f"{path.name}.corrupted-{suffix}")
-        if jax.process_index() == 0:
-            path.rename(target)
-            log.warning("moved the damaged checkpoint %s aside to %s", path, target)
-        _sync_processes("meshtrain_checkpoint_set_aside")
-
     def _remove_later_steps(self, start: int) -> None:
         """Deletes this directory's checkpoints after the start step (checkpoint.overwrite=true):
         the new run saves those step numbers again."""
         later = [step for step in committed_steps(self.directory) if step > start]
         if not later:
             return
-        if not self.cfg.checkpoint.overwrite:
-            raise ConfigError(
-                _later_steps_message(self.cfg.checkpoint, self.directory, later, start)
-            )
+        if not self.cfg.overwrite:
+            raise ConfigError(_later_steps_message(self.cfg, self.directory, later, start))
         if jax.process_index() == 0:
             for step in later:
                 shutil.rmtree(self.directory / str(step))
@@ -263,27 +247,45 @@ class RunCheckpoints:
         _sync_processes("meshtrain_checkpoint_remove_later")
 
 
-def _check_values(ckpt: CheckpointConfig) -> None:
-    if ckpt.every_steps < 0:
-        raise ConfigError(
-            f"checkpoint.every_steps={ckpt.every_steps} must be >= 0 (0: save only at the end "
-            "and on SIGTERM/SIGINT)"
-        )
-    if ckpt.keep < 1:
-        raise ConfigError(
-            f"checkpoint.keep={ckpt.keep} must be >= 1; keep 2 or more to have a fallback "
-            "if the newest checkpoint is damaged"
-        )
-    if not ckpt.resume:
-        raise ConfigError("checkpoint.resume is empty; use auto, never or a checkpoint path")
-    if ckpt.resume not in RESUME_MODES and ckpt.load_params:
-        raise ConfigError(
-            f"checkpoint.resume={ckpt.resume} and checkpoint.load_params={ckpt.load_params} are "
-            "both set; resume continues a run with its own parameters, so drop one of them"
-        )
+def read_newest(
+    candidates: Sequence[Path], read: Callable[[Path], Any], *, key: str, own_directory: Path
+) -> tuple[Any, Path]:
+    """read(path) of the newest candidate that reads back intact. Damaged ones newer than it in
+    `own_directory` (this run's) are then moved aside, so new saves can reuse their steps; if
+    none is intact, nothing is moved and the ConfigError names `key`, the config key that
+    named the candidates."""
+    damaged: list[tuple[Path, str]] = []
+    for path in candidates:
+        try:
+            result = read(path)
+        except CorruptCheckpoint as err:
+            log.warning("%s; trying the previous checkpoint", err)
+            damaged.append((path, str(err)))
+            continue
+        for bad, _ in damaged:
+            if bad.parent == own_directory:
+                _set_aside(bad)
+        return result, path
+    raise ConfigError(
+        f"{key}: no readable checkpoint ({len(damaged)} tried; the newest: "
+        f"{damaged[0][1]}); point {key} at a good copy, or start fresh with "
+        "checkpoint.resume=never checkpoint.overwrite=true"
+    )
 
 
-def _checkpoints_at(key: str, value: str) -> tuple[Path, ...]:
+def _set_aside(path: Path) -> None:
+    target = path.with_name(f"{path.name}.corrupted")
+    suffix = 1
+    while target.exists():
+        suffix += 1
+        target = path.with_name(f"{path.name}.corrupted-{suffix}")
+    if jax.process_index() == 0:
+        path.rename(target)
+        log.warning("moved the damaged checkpoint %s aside to %s", path, target)
+    _sync_processes("meshtrain_checkpoint_set_aside")
+
+
+def checkpoints_at(key: str, value: str) -> tuple[Path, ...]:
     path = Path(value).resolve()
     if not path.exists():
         raise ConfigError(
@@ -300,43 +302,39 @@ def _checkpoints_at(key: str, value: str) -> tuple[Path, ...]:
 
 
 def _choose_source(ckpt: CheckpointConfig, directory: Path) -> _Source:
-    if ckpt.resume not in RESUME_MODES:
+    if ckpt.resume not in choices(ResumeMode):
         return _Source(
-            "resume", "checkpoint.resume", _checkpoints_at("checkpoint.resume", ckpt.resume)
+            "resume", "checkpoint.resume", checkpoints_at("checkpoint.resume", ckpt.resume)
         )
     if ckpt.resume == "auto":
         own = tuple(directory / str(step) for step in reversed(committed_steps(directory)))
         if own:
             return _Source("resume", "checkpoint.resume", own)
-    if ckpt.load_params:
-        return _Source(
-            "params",
-            "checkpoint.load_params",
-            _checkpoints_at("checkpoint.load_params", ckpt.load_params),
-        )
     return _Source("fresh", "checkpoint.resume")
 
 
-def _check_model(source: _Source, plan: ModelPlan, cfg: Config) -> _Source:
-    """Compares the newest candidate that has a readable description with the model and, when
-    resuming, with the optimizer's state; damaged ones are left for restore_or_init to report
-    and skip."""
+def check_params(key: str, path: Path, abstract_params: Any) -> None:
+    """Raises ConfigError naming `key` if the checkpoint at `path` holds another model's
+    parameters (the first that differs, with both shapes)."""
+    mismatch = first_param_mismatch(saved_params(path), abstract_params)
+    if mismatch:
+        raise ConfigError(
+            f"{key}: {path} was written for another model: {mismatch}; use the model "
+            "config it was trained with (saved in its meta/), or start fresh with "
+            "checkpoint.resume=never"
+        )
+
+
+def _check_state(source: _Source, abstract_params: Any, abstract_rest: Any) -> _Source:
+    """Compares the newest candidate that has a readable description with this run's model and
+    optimizer state; damaged ones are left for restore_or_init to report and skip."""
     for path in source.candidates:
         try:
-            meta, saved = read_meta(path), saved_params(path)
+            meta = read_meta(path)
+            check_params(source.key, path, abstract_params)
         except CorruptCheckpoint:
             continue
-        mismatch = first_param_mismatch(saved, plan.abstract_params)
-        if mismatch:
-            raise ConfigError(
-                f"{source.key}: {path} was written for another model: {mismatch}; use the model "
-                "config it was trained with (saved in its meta/), or start fresh with "
-                "checkpoint.resume=never"
-            )
-        if source.kind != "resume":
-            return source
-        expected = train_state_shapes(plan, build_optimizer(cfg.training)).replace(params=None)
-        mismatch = first_state_mismatch(meta, expected)
+        mismatch = first_state_mismatch(meta, abstract_rest)
         if mismatch:
             raise ConfigError(
                 f"{source.key}: {path} was written with other optimizer settings: {mismatch}; "

@@ -13,9 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshtrain.sharding import Rules, constrain
-
-ROPE_SCALINGS = ("none", "linear", "llama3")
+from meshtrain.config.schema import RopeScaling
+from meshtrain.parallel.rules import Rules, constrain
 
 
 def normal_param(
@@ -55,7 +54,7 @@ class RopeSpec:
     """Rotary embedding frequencies of one kind of layer (hashable: it is static module data)."""
 
     theta: float
-    scaling: str = "none"  # one of ROPE_SCALINGS
+    scaling: RopeScaling = "none"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0

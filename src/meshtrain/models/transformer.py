@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from meshtrain.config import ModelConfig
+from meshtrain.config.schema import LayerKind, ModelConfig, RematPolicy, choices
 from meshtrain.models.layers import (
     Attention,
     GatedMLP,
@@ -25,13 +26,12 @@ from meshtrain.models.layers import (
     normal_param,
     rope_angles,
 )
-from meshtrain.sharding import constrain
+from meshtrain.parallel.rules import constrain
 
-ACTIVATIONS = ("silu", "gelu")
-LAYER_KINDS = ("global", "local")  # global: full causal attention; local: sliding window
+LAYER_KINDS = choices(LayerKind)  # global: full causal attention; local: sliding window
 # jax.checkpoint policy per model.remat value: what the backward pass may read from the forward
 # pass of a block instead of recomputing it (the block's input is always saved).
-REMAT_POLICIES = {
+REMAT_POLICIES: dict[RematPolicy, Any] = {
     "none": None,  # no remat: every intermediate is kept
     "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block
     "dots_saveable": jax.checkpoint_policies.dots_saveable,  # keep every matmul output

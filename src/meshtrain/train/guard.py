@@ -14,8 +14,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-NONFINITE_MODES = ("stop", "skip")
-
 
 @struct.dataclass
 class NonfiniteRecord:

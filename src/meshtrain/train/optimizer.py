@@ -8,8 +8,6 @@ import optax
 
 from meshtrain.config import TrainingConfig
 
-LR_SCHEDULES = ("cosine", "constant")
-
 
 def learning_rate_schedule(cfg: TrainingConfig) -> optax.Schedule:
     """Learning rate of the update with 0-based index `count` (logged as step count + 1).

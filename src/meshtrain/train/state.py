@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -11,11 +10,9 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshtrain.config import ModelConfig
-from meshtrain.hf.checkpoint import checkpoint_dir, load_params
-from meshtrain.mesh import MeshSpec
+from meshtrain.config.schema import ModelConfig
+from meshtrain.models.abstract import AbstractModel
 from meshtrain.models.transformer import Transformer
-from meshtrain.sharding import check_divisible, named_shardings, param_specs
 from meshtrain.train.guard import NonfiniteRecord, initial_record
 
 # Folded into the seed for the train-step key, far from the small counters nnx folds into the
@@ -41,47 +38,22 @@ class TrainState:
     nonfinite: NonfiniteRecord
 
 
-@dataclass(frozen=True)
-class ModelPlan:
-    """The model's structure and where each array lives, known before anything is allocated."""
-
-    graphdef: nnx.GraphDef
-    abstract_state: nnx.State  # nnx.Param variables holding ShapeDtypeStructs
-    abstract_params: Any  # the same as a nested dict of ShapeDtypeStruct
-    param_shardings: Any  # nested dict of NamedSharding
-
-
-def plan_model(cfg: ModelConfig, mesh: Mesh, mesh_spec: MeshSpec) -> ModelPlan:
-    """Abstract init (shapes only) plus the logical rules → shardings; checks even division."""
-    abstract_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, abstract_state = nnx.split(abstract_model, nnx.Param)
-    specs = nnx.to_pure_dict(param_specs(abstract_state, cfg.logical_axis_rules))
-    abstract_params = nnx.to_pure_dict(abstract_state)
-    check_divisible(abstract_params, specs, mesh_spec)
-    return ModelPlan(graphdef, abstract_state, abstract_params, named_shardings(specs, mesh))
-
-
-def merge_model(plan: ModelPlan, params: Any) -> Transformer:
-    """The nnx module whose parameters are `params` (a nested dict of arrays; usable inside jit)."""
-    state = jax.tree.map(lambda leaf: leaf, plan.abstract_state)  # a fresh copy to fill in
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(plan.graphdef, state)
-
-
-def state_shardings(plan: ModelPlan, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
+def state_shardings(
+    model: AbstractModel, tx: optax.GradientTransformation, mesh: Mesh
+) -> TrainState:
     """Shardings of the whole train state: Adam's moments follow their parameters."""
     replicated = NamedSharding(mesh, PartitionSpec())
-    abstract_opt_state = jax.eval_shape(tx.init, plan.abstract_params)
+    abstract_opt_state = jax.eval_shape(tx.init, model.abstract_params)
     opt_shardings = optax.tree_map_params(
         tx,
         lambda _, sharding: sharding,
         abstract_opt_state,
-        plan.param_shardings,
+        model.param_shardings,
         transform_non_params=lambda _: replicated,
     )
     return TrainState(
         step=replicated,
-        params=plan.param_shardings,
+        params=model.param_shardings,
         opt_state=opt_shardings,
         rng=replicated,
         nonfinite=jax.tree.map(lambda _: replicated, initial_record()),
@@ -102,7 +74,6 @@ def _state_from_params(params: Any, tx: optax.GradientTransformation, seed: int)
 
 def create_train_state(
     cfg: ModelConfig,
-    plan: ModelPlan,
     tx: optax.GradientTransformation,
     shardings: TrainState,
     seed: int,
@@ -111,12 +82,8 @@ def create_train_state(
     """Initialises parameters and optimizer state inside one jit whose outputs are sharded, so
     each device only ever materialises its own shards. The random values do not depend on the
     mesh (jax's partitionable threefry), which keeps losses identical across mesh shapes.
-    With model.init_from=hf:/dir the parameters are read from that checkpoint, shard by shard.
-    Given `params` (already sharded, e.g. loaded for fine-tuning), only the rest is created."""
-    if params is None and cfg.init_from is not None:
-        params = load_params(
-            checkpoint_dir(cfg.init_from), cfg, plan.abstract_params, plan.param_shardings
-        )
+    Given `params` (already sharded: loaded by meshtrain.train.initial_weights), only the rest
+    is created."""
     if params is not None:
         return jax.jit(lambda p: _state_from_params(p, tx, seed), out_shardings=shardings)(params)
 
@@ -127,17 +94,26 @@ def create_train_state(
     return jax.jit(init, out_shardings=shardings)()
 
 
-def train_state_shapes(plan: ModelPlan, tx: optax.GradientTransformation) -> TrainState:
+def split_state(state: TrainState) -> tuple[Any, TrainState]:
+    """(parameters, the rest of the state): the two items of a checkpoint."""
+    return state.params, state.replace(params=None)
+
+
+def join_state(params: Any, rest: TrainState) -> TrainState:
+    return rest.replace(params=params)
+
+
+def train_state_shapes(model: AbstractModel, tx: optax.GradientTransformation) -> TrainState:
     """The train state as ShapeDtypeStructs without shardings: its structure, allocating nothing."""
-    return jax.eval_shape(lambda p: _state_from_params(p, tx, 0), plan.abstract_params)
+    return jax.eval_shape(lambda p: _state_from_params(p, tx, 0), model.abstract_params)
 
 
 def abstract_train_state(
-    plan: ModelPlan, tx: optax.GradientTransformation, shardings: TrainState
+    model: AbstractModel, tx: optax.GradientTransformation, shardings: TrainState
 ) -> TrainState:
     """The train state as ShapeDtypeStructs carrying their shardings, allocating nothing: the
     restore target of a checkpoint, and enough to compile the train step."""
-    shapes = train_state_shapes(plan, tx)
+    shapes = train_state_shapes(model, tx)
     return jax.tree.map(
         lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
         shapes,

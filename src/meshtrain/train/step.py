@@ -14,20 +14,22 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from meshtrain.config.schema import MixedPrecision
+from meshtrain.models.abstract import AbstractModel, merge_model
 from meshtrain.train.guard import guard_update
-from meshtrain.train.state import ModelPlan, TrainState, merge_model
+from meshtrain.train.state import TrainState
 
-COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+COMPUTE_DTYPES: dict[MixedPrecision, jnp.dtype] = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
 
 def token_loss_sum(
-    plan: ModelPlan, params: Any, tokens: jax.Array, *, pad_id: int, compute_dtype: jnp.dtype
+    model: AbstractModel, params: Any, tokens: jax.Array, *, pad_id: int, compute_dtype: jnp.dtype
 ) -> tuple[jax.Array, jax.Array]:
     """Summed cross-entropy over non-pad targets, and their count. tokens: [B, seq_len + 1]."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [B, T] each
     # fp32 master weights; the matmuls run in the compute dtype.
     compute_params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-    logits = merge_model(plan, compute_params)(inputs).astype(jnp.float32)  # [B, T, V]
+    logits = merge_model(model, compute_params)(inputs).astype(jnp.float32)  # [B, T, V]
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     target_log_probs = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
     mask = (targets != pad_id).astype(jnp.float32)  # [B, T]
@@ -35,7 +37,7 @@ def token_loss_sum(
 
 
 def make_train_step(
-    plan: ModelPlan,
+    model: AbstractModel,
     tx: optax.GradientTransformation,
     schedule: optax.Schedule,
     *,
@@ -53,7 +55,7 @@ def make_train_step(
     compute_dtype = COMPUTE_DTYPES[mixed_precision]
     grad_fn = jax.value_and_grad(
         lambda params, tokens: token_loss_sum(
-            plan, params, tokens, pad_id=pad_id, compute_dtype=compute_dtype
+            model, params, tokens, pad_id=pad_id, compute_dtype=compute_dtype
         ),
         has_aux=True,
     )
@@ -100,7 +102,7 @@ def make_train_step(
 
 
 def make_eval_step(
-    plan: ModelPlan,
+    model: AbstractModel,
     *,
     param_shardings: Any,
     batch_sharding: jax.sharding.NamedSharding,
@@ -111,6 +113,6 @@ def make_eval_step(
     compute_dtype = COMPUTE_DTYPES[mixed_precision]
 
     def evaluate(params: Any, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return token_loss_sum(plan, params, batch, pad_id=pad_id, compute_dtype=compute_dtype)
+        return token_loss_sum(model, params, batch, pad_id=pad_id, compute_dtype=compute_dtype)
 
     return jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding))

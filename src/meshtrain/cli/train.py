@@ -1,4 +1,5 @@
-"""Command-line entry: Hydra composes the config, bad input becomes one line and exit code 2.
+"""`python run_training.py` (or `meshtrain-train`): Hydra composes the config, bad input
+becomes one line and exit code 2.
 
 Hydra reports its own composition errors (unknown keys, wrong types) as several lines and exit
 code 1; we ask it to raise them instead and print one line that names the key and the fix.
@@ -19,14 +20,11 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from meshtrain.config import register_configs, to_config
+from meshtrain.cli.exit import EXIT_NONFINITE, fail
+from meshtrain.config.hydra import register_configs, to_config
+from meshtrain.distributed.environment import register_run_dir_resolvers
 from meshtrain.errors import ConfigError, DistributedError
-from meshtrain.launch_env import register_run_dir_resolvers
 
-EXIT_CONFIG_ERROR = 2
-EXIT_NONFINITE = (
-    3  # training.nonfinite=stop met a NaN/Inf; a run stopped by a signal exits 128 + signum
-)
 # At import as well as in make_main: a Hydra launcher that runs the jobs in other processes
 # (submitit) imports this module there and resolves `hydra.output_subdir` without make_main.
 register_run_dir_resolvers()
@@ -39,11 +37,6 @@ _USER_WANTS_TRACEBACK = "1" in (
 
 def _wants_traceback() -> bool:
     return _USER_WANTS_TRACEBACK
-
-
-def _fail(message: str, code: int = EXIT_CONFIG_ERROR) -> None:
-    print(f"meshtrain: error: {message}", file=sys.stderr)
-    sys.exit(code)
 
 
 def describe_config_error(err: BaseException) -> str:
@@ -72,11 +65,12 @@ def describe_config_error(err: BaseException) -> str:
 def train_from_hydra(cfg: DictConfig) -> None:
     """The Hydra task: typed config → training run in Hydra's output directory."""
     # Imported here so `--help` and `--cfg job` answer without starting JAX.
-    from meshtrain.distributed import join_run, shared_failures
-    from meshtrain.plan import use_fake_cpu_devices
-    from meshtrain.preemption import exit_code_for
+    from meshtrain.distributed.devices import use_fake_cpu_devices
+    from meshtrain.distributed.preemption import exit_code_for
+    from meshtrain.distributed.runtime import join_run, shared_failures
+    from meshtrain.train.dry_run import dry_run
     from meshtrain.train.guard import NonFiniteError
-    from meshtrain.train.loop import dry_run, train
+    from meshtrain.train.loop import train
 
     # Hydra sets the root logger to INFO; JAX's INFO lines (its backend probing, e.g. "Unable to
     # initialize backend 'tpu'") stay hidden, as in any other Python program.
@@ -94,7 +88,7 @@ def train_from_hydra(cfg: DictConfig) -> None:
     except (ConfigError, DistributedError, NonFiniteError) as err:
         if _wants_traceback():
             raise
-        _fail(str(err), EXIT_NONFINITE if isinstance(err, NonFiniteError) else err.exit_code)
+        fail(str(err), EXIT_NONFINITE if isinstance(err, NonFiniteError) else err.exit_code)
     if result.stopped_by is not None:  # saved after SIGTERM/SIGINT: "stopped, resumable"
         sys.exit(exit_code_for(result.stopped_by))
 
@@ -114,8 +108,21 @@ def make_main(config_dir: Path) -> Callable[[], None]:
         try:
             hydra_main()
         except (HydraException, OmegaConfBaseException) as err:
-            _fail(describe_config_error(err))
+            fail(describe_config_error(err))
         finally:
             os.environ.pop("HYDRA_FULL_ERROR", None)
 
     return main
+
+
+def default_config_dir() -> Path:
+    """configs/ of this checkout (an editable install), else ./configs of the working directory."""
+    for candidate in (Path(__file__).resolve().parents[3] / "configs", Path.cwd() / "configs"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    fail("no configs/config.yaml found: run meshtrain-train from a meshtrain checkout")
+
+
+def main() -> None:
+    """`meshtrain-train [overrides...]`: the same command as `python run_training.py`."""
+    make_main(default_config_dir())()

@@ -21,9 +21,9 @@ from jax.experimental import multihost_utils
 from meshtrain.config import ModelConfig
 from meshtrain.data.tokenizer import HFTokenizer, Tokenizer, build_tokenizer
 from meshtrain.errors import ConfigError
-from meshtrain.hf.config import hf_config_from_model
+from meshtrain.hf.config_json import hf_config_from_model
 from meshtrain.hf.safetensors_io import DTYPES, INDEX_FILE, write_safetensors
-from meshtrain.hf.weights import ParamPath, hf_tensors
+from meshtrain.hf.tensor_map import ParamPath, hf_tensors
 
 DEFAULT_SHARD_BYTES = 4 * 2**30
 

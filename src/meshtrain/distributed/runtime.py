@@ -29,10 +29,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from meshtrain.config import DistributedConfig
+from meshtrain.distributed.environment import ProcessSpec, env_process_id, resolve_process_spec
+from meshtrain.distributed.rendezvous import SETTLE_S, Roster, roll_call
 from meshtrain.errors import ConfigError, DistributedError
-from meshtrain.launch_env import ProcessSpec, env_process_id, resolve_process_spec
-from meshtrain.metrics import setup_logging
-from meshtrain.rendezvous import SETTLE_S, Roster, roll_call
+from meshtrain.observe.metrics import setup_logging
 
 log = logging.getLogger(__name__)
 

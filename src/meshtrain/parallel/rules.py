@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
-from meshtrain.mesh import MESH_AXES, MeshSpec
+from meshtrain.parallel.mesh import MESH_AXES, MeshSpec
 
 LogicalAxes = Sequence[str | None]
 Rules = Mapping[str, Any]

@@ -1,5 +1,7 @@
-"""`load_checkpoint`: a ready-to-call model from a meshtrain checkpoint, for generation and
-notebooks; the counterpart of `meshtrain.load_hf` for meshtrain's own checkpoints."""
+"""Ready-to-call models for scripts and notebooks: `load_hf` from a local Hugging Face
+checkpoint directory, `load_checkpoint` from a meshtrain checkpoint (or run directory, or
+export). Both read each array straight into its shards on the mesh they are given.
+"""
 
 from __future__ import annotations
 
@@ -11,19 +13,47 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from meshtrain.checkpoint.layout import (
-    CorruptCheckpoint,
-    find_checkpoints,
-    read_meta,
-    read_params,
-)
-from meshtrain.config import ModelConfig
+from meshtrain.checkpoint.layout import CorruptCheckpoint, find_checkpoints, read_meta, read_params
+from meshtrain.config.schema import ModelConfig
 from meshtrain.errors import ConfigError
-from meshtrain.mesh import resolve_mesh
+from meshtrain.hf.config_json import model_config_from_hf, read_config_json
+from meshtrain.hf.load import check_init_from, load_params
+from meshtrain.models.abstract import abstract_model, merge_model
 from meshtrain.models.transformer import Transformer
-from meshtrain.train.state import merge_model, plan_model
+from meshtrain.parallel.mesh import resolve_mesh
 
 log = logging.getLogger(__name__)
+
+
+def hf_model_config(path: str | Path, **fields: Any) -> ModelConfig:
+    """The ModelConfig of the checkpoint in `path` (from its config.json), plus `fields`."""
+    directory = Path(path).expanduser()
+    return model_config_from_hf(
+        read_config_json(directory),
+        name=directory.name,
+        source=str(directory / "config.json"),
+        **fields,
+    )
+
+
+def load_hf(
+    path: str | Path,
+    mesh: Mesh | list[Any] | None = None,
+    *,
+    dtype: jnp.dtype = jnp.float32,
+    scan_layers: bool = False,
+) -> Transformer:
+    """The model of the checkpoint in `path` (config.json and *.safetensors), parameters in
+    `dtype`. `mesh`: None (one device), a mesh_shape such as [[4,2],["fsdp","tp"]] over all
+    visible devices, or a Mesh from `meshtrain.parallel.mesh.build_mesh`; each device then holds only its
+    shards. Call it as `model(tokens)`: int32 [B, T] → logits [B, T, vocab_size]."""
+    directory = Path(path).expanduser()
+    cfg = hf_model_config(directory, scan_layers=scan_layers, init_from=f"hf:{directory}")
+    check_init_from(cfg)  # every tensor present with its shape, before anything is allocated
+    mesh, spec = resolve_mesh(mesh)
+    model = abstract_model(cfg, mesh, spec)
+    params = load_params(directory, cfg, model.abstract_params, model.param_shardings, dtype=dtype)
+    return merge_model(model, params)
 
 
 def _candidates(path: Path) -> list[Path]:
@@ -62,17 +92,17 @@ def load_checkpoint(
     for candidate in _candidates(Path(path)):
         try:
             cfg = ModelConfig(**read_meta(candidate)["config"]["model"])
-            plan = plan_model(cfg, mesh, spec)
+            model = abstract_model(cfg, mesh, spec)
             target = jax.tree.map(
                 lambda leaf, sharding: jax.ShapeDtypeStruct(
                     leaf.shape, leaf.dtype, sharding=sharding
                 ),
-                plan.abstract_params,
-                plan.param_shardings,
+                model.abstract_params,
+                model.param_shardings,
             )
             params, _ = read_params(candidate, target)
         except CorruptCheckpoint as err:
             log.warning("%s; trying the previous checkpoint", err)
             continue
-        return merge_model(plan, jax.tree.map(lambda p: p.astype(dtype), params))
+        return merge_model(model, jax.tree.map(lambda p: p.astype(dtype), params))
     raise ConfigError(f"no readable checkpoint at {path}")

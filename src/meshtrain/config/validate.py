@@ -1,23 +1,31 @@
 """Start-up checks of the whole config, before anything is compiled, allocated or written.
 
 `check_config` needs no devices; `check_against_mesh` runs once the mesh shape is resolved.
-Each failure is a ConfigError whose one line names the key, the value and the fix.
+Each failure is a ConfigError whose one line names the key, the value and the fix. Checks that
+must read files (a Hugging Face `config.json`, existing checkpoints, the corpus) run where those
+are opened, still before anything compiles: `meshtrain.train.setup.prepare` calls them all.
 """
 
 from __future__ import annotations
 
 from meshtrain.accelerators import accelerator_named
-from meshtrain.config import Config
+from meshtrain.config.schema import (
+    Activation,
+    CheckpointConfig,
+    Config,
+    Family,
+    LayerKind,
+    LrSchedule,
+    MixedPrecision,
+    NonfiniteMode,
+    RematPolicy,
+    ResumeMode,
+    RopeScaling,
+    choices,
+)
 from meshtrain.errors import ConfigError
-from meshtrain.hf.checkpoint import check_init_from
-from meshtrain.hf.config import FAMILIES
-from meshtrain.mesh import MeshSpec
-from meshtrain.models.layers import ROPE_SCALINGS
-from meshtrain.models.transformer import ACTIVATIONS, LAYER_KINDS, REMAT_POLICIES
-from meshtrain.sharding import check_rules, mesh_axes_for
-from meshtrain.train.guard import NONFINITE_MODES
-from meshtrain.train.optimizer import LR_SCHEDULES
-from meshtrain.train.step import COMPUTE_DTYPES
+from meshtrain.parallel.mesh import MeshSpec
+from meshtrain.parallel.rules import check_rules, mesh_axes_for
 
 
 def _require(ok: bool, message: str) -> None:
@@ -56,7 +64,7 @@ def check_config(cfg: Config) -> None:
         model.head_dim % 2 == 0,
         f"model.head_dim={model.head_dim} must be even for rotary embeddings",
     )
-    _one_of("model.mlp_activation", model.mlp_activation, ACTIVATIONS)
+    _one_of("model.mlp_activation", model.mlp_activation, choices(Activation))
     _positive("model.rope_theta", model.rope_theta)
     check_rules(model.logical_axis_rules)
     _check_model_flavour(cfg)
@@ -77,9 +85,9 @@ def check_config(cfg: Config) -> None:
     ):
         _positive(f"training.{key}", getattr(training, key))
     _positive("training.learning_rate", training.learning_rate)
-    _one_of("training.lr_schedule", training.lr_schedule, LR_SCHEDULES)
-    _one_of("training.mixed_precision", training.mixed_precision, tuple(COMPUTE_DTYPES))
-    _one_of("training.nonfinite", training.nonfinite, NONFINITE_MODES)
+    _one_of("training.lr_schedule", training.lr_schedule, choices(LrSchedule))
+    _one_of("training.mixed_precision", training.mixed_precision, choices(MixedPrecision))
+    _one_of("training.nonfinite", training.nonfinite, choices(NonfiniteMode))
     _require(
         training.warmup_steps >= 0, f"training.warmup_steps={training.warmup_steps} must be >= 0"
     )
@@ -117,17 +125,19 @@ def check_config(cfg: Config) -> None:
     )
     if plan.fake_devices is not None:
         _positive("plan.fake_devices", plan.fake_devices)
+    _check_checkpoint(cfg.checkpoint)
 
 
 def _check_model_flavour(cfg: Config) -> None:
     """The fields that select a model family's features (configs/model/*.yaml)."""
     model = cfg.model
-    _one_of("model.family", model.family, FAMILIES)
+    _one_of("model.family", model.family, choices(Family))
     pattern = "[" + ",".join(model.attention_pattern) + "]"
     _require(
-        bool(model.attention_pattern) and all(k in LAYER_KINDS for k in model.attention_pattern),
+        bool(model.attention_pattern)
+        and all(k in choices(LayerKind) for k in model.attention_pattern),
         f"model.attention_pattern={pattern} must be a non-empty list of "
-        f"{' and '.join(LAYER_KINDS)}, e.g. [local,local,local,local,local,global]",
+        f"{' and '.join(choices(LayerKind))}, e.g. [local,local,local,local,local,global]",
     )
     if "local" in model.attention_pattern:
         window = "null" if model.sliding_window is None else model.sliding_window
@@ -138,7 +148,7 @@ def _check_model_flavour(cfg: Config) -> None:
         )
     if model.rope_local_theta is not None:
         _positive("model.rope_local_theta", model.rope_local_theta)
-    _one_of("model.rope_scaling", model.rope_scaling, ROPE_SCALINGS)
+    _one_of("model.rope_scaling", model.rope_scaling, choices(RopeScaling))
     _positive("model.rope_scaling_factor", model.rope_scaling_factor)
     if model.rope_scaling == "llama3":
         _require(
@@ -149,15 +159,34 @@ def _check_model_flavour(cfg: Config) -> None:
         _positive("model.rope_original_max_len", model.rope_original_max_len)
     if model.query_pre_attn_scalar is not None:
         _positive("model.query_pre_attn_scalar", model.query_pre_attn_scalar)
-    _one_of("model.remat", model.remat, tuple(REMAT_POLICIES))
+    _one_of("model.remat", model.remat, choices(RematPolicy))
     _positive("model.max_seq_len", model.max_seq_len)
     _require(
         cfg.data.seq_len <= model.max_seq_len,
         f"data.seq_len={cfg.data.seq_len} is longer than model.max_seq_len={model.max_seq_len} "
         f"of model {model.name}; use data.seq_len <= {model.max_seq_len}",
     )
-    if model.init_from is not None:
-        check_init_from(model)
+
+
+def _check_checkpoint(ckpt: CheckpointConfig) -> None:
+    """checkpoint.* values that cannot work whatever is on disk."""
+    if ckpt.every_steps < 0:
+        raise ConfigError(
+            f"checkpoint.every_steps={ckpt.every_steps} must be >= 0 (0: save only at the end "
+            "and on SIGTERM/SIGINT)"
+        )
+    if ckpt.keep < 1:
+        raise ConfigError(
+            f"checkpoint.keep={ckpt.keep} must be >= 1; keep 2 or more to have a fallback "
+            "if the newest checkpoint is damaged"
+        )
+    if not ckpt.resume:
+        raise ConfigError("checkpoint.resume is empty; use auto, never or a checkpoint path")
+    if ckpt.resume not in choices(ResumeMode) and ckpt.load_params:
+        raise ConfigError(
+            f"checkpoint.resume={ckpt.resume} and checkpoint.load_params={ckpt.load_params} are "
+            "both set; resume continues a run with its own parameters, so drop one of them"
+        )
 
 
 def _divisors_of_all(values: list[int]) -> list[int]:

@@ -96,11 +96,3 @@ def train_flops_per_step(
 ) -> int:
     """Model FLOPs of one update over `sequences` sequences (the global batch), all devices."""
     return sequences * forward_flops(cfg, seq_len, windows).train
-
-
-def format_flops(value: float, per: str = "") -> str:
-    """1.23e15 → "1.23 PFLOP" (with per="/s": "1.23 PFLOP/s")."""
-    for unit, size in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
-        if abs(value) >= size:
-            return f"{value / size:.2f} {unit}FLOP{per}"
-    return f"{value:.0f} FLOP{per}"

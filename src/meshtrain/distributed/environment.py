@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
-from meshtrain.config import DistributedConfig
+from meshtrain.config.schema import ClusterDetection, DistributedConfig, choices
 from meshtrain.errors import ConfigError
 
 TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 # The cluster detection methods of jax.distributed.initialize (jax/_src/clusters, jax 0.10).
-CLUSTER_METHODS = ("slurm", "ompi", "mpi4py", "gcetpu", "gketpu")
+CLUSTER_METHODS = choices(ClusterDetection)
 SLURM_VARS = (
     "SLURM_JOB_ID",
     "SLURM_STEP_NODELIST",

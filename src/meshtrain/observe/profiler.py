@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from meshtrain.config import ProfileConfig
-from meshtrain.trace import find_trace
+from meshtrain.observe.trace import find_trace
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import ModelConfig
+from meshtrain.config.schema import Family, ModelConfig, choices
 from meshtrain.errors import ConfigError
 
-FAMILIES = ("llama", "qwen3", "gemma3")
+FAMILIES = choices(Family)
 _FAMILY_OF_MODEL_TYPE = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 _MODEL_TYPE = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 _ARCHITECTURE = {

@@ -1,17 +1,46 @@
-"""Typed configuration schemas, registered in Hydra's ConfigStore, and their conversion.
+"""Typed configuration schemas: every key of a run, its type, default and meaning.
 
-Every field has a type, a default and a one-line docstring (the string literal under it).
-The YAML files in configs/ fill these schemas; `tests/test_config.py` checks that both agree.
-Validation that needs no devices lives in `meshtrain.validate`; mesh checks live in `meshtrain.mesh`.
+Every field has a type, a default and a one-line docstring (the string literal under it). The
+YAML files in configs/ fill these schemas and state only what differs from them
+(`tests/config/test_schema.py` checks that every YAML key exists here). Start-up validation lives in
+`meshtrain.config.validate`; the Hydra glue in `meshtrain.config.hydra`.
+
+A field with a fixed set of values names its `Literal` type below; validation reads the allowed
+values from it, and the code that implements each value keys its table by the same type.
+OmegaConf 2.3 does not accept `Literal` annotations, so those fields are typed `str` for Hydra.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+Activation = Literal["silu", "gelu"]
+"""model.mlp_activation: SwiGLU or GeGLU."""
+LayerKind = Literal["global", "local"]
+"""An entry of model.attention_pattern: full causal attention or a sliding window."""
+RopeScaling = Literal["none", "linear", "llama3"]
+"""model.rope_scaling."""
+RematPolicy = Literal["none", "full", "dots_saveable", "minimal"]
+"""model.remat."""
+Family = Literal["llama", "qwen3", "gemma3"]
+"""model.family: the Hugging Face architecture for import and export."""
+LrSchedule = Literal["cosine", "constant"]
+"""training.lr_schedule."""
+MixedPrecision = Literal["fp32", "bf16"]
+"""training.mixed_precision: the compute dtype."""
+NonfiniteMode = Literal["stop", "skip"]
+"""training.nonfinite."""
+ResumeMode = Literal["auto", "never"]
+"""checkpoint.resume, unless it is a checkpoint path."""
+ClusterDetection = Literal["slurm", "ompi", "mpi4py", "gcetpu", "gketpu"]
+"""distributed.cluster_detection."""
+
+
+def choices(literal: Any) -> tuple[str, ...]:
+    """The allowed values of a Literal type, in their order of declaration."""
+    return get_args(literal)
+
 
 # Logical axis name → mesh axes (None: replicated). Megatron-style: heads and the MLP hidden
 # size on tp, the model dimension on fsdp, the batch on every batch-sharding axis.
@@ -53,7 +82,7 @@ class ModelConfig:
     """Width of one attention head."""
     mlp_dim: int = 512
     """Hidden width of the gated MLP (the `mlp` axis)."""
-    mlp_activation: str = "silu"
+    mlp_activation: str = "silu"  # Activation
     """Activation of the gated MLP: silu (SwiGLU) or gelu (GeGLU)."""
     rope_theta: float = 10000.0
     """Base of the rotary position embedding frequencies."""
@@ -63,17 +92,17 @@ class ModelConfig:
     """Reuse the token embedding as the output projection."""
     init_std: float = 0.02
     """Standard deviation of the normal initialiser for weight matrices."""
-    family: str = "llama"
+    family: str = "llama"  # Family
     """Architecture family, for Hugging Face import and export: llama, qwen3 or gemma3."""
     max_seq_len: int = 2048
     """Longest sequence the model is made for (HF max_position_embeddings); bounds data.seq_len."""
-    attention_pattern: list[str] = field(default_factory=lambda: ["global"])
+    attention_pattern: list[str] = field(default_factory=lambda: ["global"])  # LayerKind
     """Layer i attends as attention_pattern[i % len]: global (all earlier tokens) or local (window)."""
     sliding_window: int | None = None
     """Tokens a local layer's query sees, itself included; required when a layer is local."""
     rope_local_theta: float | None = None
     """RoPE base of local layers; null: rope_theta."""
-    rope_scaling: str = "none"
+    rope_scaling: str = "none"  # RopeScaling
     """RoPE frequency scaling of the global layers: none, linear or llama3."""
     rope_scaling_factor: float = 1.0
     """Frequency divisor of linear and llama3 RoPE scaling."""
@@ -93,7 +122,7 @@ class ModelConfig:
     """Multiply the token embeddings by sqrt(d_model) (Gemma)."""
     query_pre_attn_scalar: float | None = None
     """Attention scores are scaled by 1/sqrt(this); null: head_dim."""
-    remat: str = "none"
+    remat: str = "none"  # RematPolicy
     """Activation recomputation per block: none, full, dots_saveable or minimal (docs/models.md)."""
     scan_layers: bool = False
     """Stack the blocks' parameters on a `layers` axis and run them in a lax.scan (flat compile time)."""
@@ -131,7 +160,7 @@ class TrainingConfig:
     """Peak learning rate reached after warmup."""
     warmup_steps: int = 20
     """Linear warmup from 0 to learning_rate over this many updates."""
-    lr_schedule: str = "cosine"
+    lr_schedule: str = "cosine"  # LrSchedule
     """After warmup: cosine (decay to min_lr_ratio × peak at the last step) or constant."""
     min_lr_ratio: float = 0.1
     """Final learning rate of the cosine schedule, as a fraction of the peak."""
@@ -145,7 +174,7 @@ class TrainingConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip gradients to this global norm; 0 disables clipping."""
-    mixed_precision: str = "fp32"
+    mixed_precision: str = "fp32"  # MixedPrecision
     """Compute dtype: fp32, or bf16 (bf16 matmuls, fp32 master weights and optimizer state)."""
     seed: int = 0
     """Seed for parameter init and data order; same seed, same losses on any mesh."""
@@ -155,7 +184,7 @@ class TrainingConfig:
     """Evaluate on the held-out split every this many updates (and at the end); 0 disables."""
     eval_batches: int = 4
     """Global batches averaged for one validation loss."""
-    nonfinite: str = "stop"
+    nonfinite: str = "stop"  # NonfiniteMode
     """A NaN/Inf loss or gradient norm: stop (error naming the step; never checkpointed) or skip (drop that update, count it)."""
     profile: bool = False
     """Trace the steps of the `profile:` window with the JAX profiler into <run_dir>/profile/."""
@@ -173,7 +202,7 @@ class CheckpointConfig:
     """Save every this many steps; also saved at the last step and on SIGTERM/SIGINT. 0: only then."""
     keep: int = 3
     """Newest checkpoints kept; an older one is deleted only after a newer one has committed."""
-    resume: str = "auto"
+    resume: str = "auto"  # ResumeMode, or a checkpoint path
     """auto (continue from the newest complete checkpoint in checkpoint.dir), never (start fresh), or a checkpoint path."""
     overwrite: bool = False
     """Allow deleting checkpoints in checkpoint.dir that lie after the start step (e.g. resume=never on a used dir)."""
@@ -193,7 +222,7 @@ class DistributedConfig:
     """This process's index in [0, num_processes); null: RANK or the detected cluster."""
     local_device_ids: list[int] | None = None
     """Accelerator ids this process uses; null: all it sees (one per process under SLURM, Open MPI or torchrun)."""
-    cluster_detection: str | None = None
+    cluster_detection: str | None = None  # ClusterDetection
     """Force a JAX cluster detection method (slurm, ompi, mpi4py, gcetpu, gketpu); null: SLURM and Open MPI by their variables."""
     timeout_s: int = 300
     """Seconds to wait for every process at start-up, and without a heartbeat before a process counts as dead."""
@@ -235,16 +264,3 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-
-
-def register_configs() -> None:
-    """Registers the schema so that configs/*.yaml are type-checked against it."""
-    ConfigStore.instance().store(name="config_schema", node=Config)
-
-
-def to_config(cfg: DictConfig) -> Config:
-    """Converts a composed Hydra config into typed dataclasses."""
-    obj = OmegaConf.to_object(cfg)
-    if not isinstance(obj, Config):
-        obj = Config(**{k: v for k, v in obj.items() if k in Config.__dataclass_fields__})
-    return obj

@@ -18,6 +18,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from meshtrain.units import format_eta
+
 if TYPE_CHECKING:
     from tensorboardX import SummaryWriter
 
@@ -108,18 +110,6 @@ def setup_logging(
         file.name = _FILE_HANDLER
         file.setFormatter(logging.Formatter(_FORMAT))
         root.addHandler(file)
-
-
-def format_eta(seconds: float) -> str:
-    """Format a duration as "45s", "1m23s" or "2h03m"."""
-    total = round(seconds)
-    hours, rest = divmod(total, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    if minutes:
-        return f"{minutes}m{secs:02d}s"
-    return f"{secs}s"
 
 
 def _format_metric(name: str, value: float) -> str:

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshtrain.accelerators import GIB, accelerator_for_kind
+from meshtrain.accelerators import accelerator_for_kind
+from meshtrain.units import GIB
 
 log = logging.getLogger(__name__)
 

@@ -14,32 +14,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
 
-from meshtrain.accelerators import GIB, accelerator_named
-from meshtrain.communication import format_bytes
-from meshtrain.errors import ConfigError
-from meshtrain.flops import format_flops
-
-
-def use_fake_cpu_devices(count: int | None) -> None:
-    """Makes JAX see `count` CPU devices (plan.fake_devices); must run before JAX starts."""
-    if count is None:
-        return
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    try:
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:
-        raise ConfigError(
-            f"plan.fake_devices={count} must be set before JAX starts; "
-            "pass it on the command line of run_training.py"
-        ) from None
+from meshtrain.accelerators import accelerator_named
+from meshtrain.units import GIB, format_bytes, format_flops
 
 
 def bytes_per_device(tree: Any, shardings: Any) -> int:

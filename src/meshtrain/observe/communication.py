@@ -27,21 +27,20 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from meshtrain.hlo import HloModule, Instruction, parse_module, replica_groups, source_target_pairs
-from meshtrain.trace import collective_time
+from meshtrain.observe.hlo import (
+    HloModule,
+    Instruction,
+    parse_module,
+    replica_groups,
+    source_target_pairs,
+)
+from meshtrain.observe.trace import collective_time
+from meshtrain.units import format_bytes
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 # These keep every element (layout and dtype may change): a slice after them slices the value.
 _PASS_THROUGH = {"bitcast", "copy", "reshape", "convert", "all-reduce-done", "async-done"}
 _SLICES = {"slice", "dynamic-slice"}
-GIB, MIB, KIB = 1024**3, 1024**2, 1024
-
-
-def format_bytes(value: float) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
-        if abs(value) >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value:.0f} B"
 
 
 @dataclass

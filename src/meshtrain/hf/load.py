@@ -20,9 +20,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshtrain.config import ModelConfig
 from meshtrain.errors import ConfigError
-from meshtrain.hf.config import check_matches, read_config_json
+from meshtrain.hf.config_json import check_matches, read_config_json
 from meshtrain.hf.safetensors_io import CheckpointReader
-from meshtrain.hf.weights import MODEL_PREFIXES, Layout, ParamPath, hf_tensors, layer_tensors
+from meshtrain.hf.tensor_map import MODEL_PREFIXES, Layout, ParamPath, hf_tensors, layer_tensors
 from meshtrain.models.transformer import Transformer
 
 HF_SCHEME = "hf:"

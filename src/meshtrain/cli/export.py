@@ -1,0 +1,42 @@
+"""`python -m meshtrain.export <checkpoint> <out_dir> [--format orbax|safetensors|hf]` (or
+`meshtrain-export`): a checkpoint's parameters alone (meshtrain.inference.export)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import jax
+
+from meshtrain.cli.exit import fail
+from meshtrain.errors import ConfigError
+from meshtrain.inference.export import EXPORTERS, ExportError, export
+from meshtrain.observe.metrics import setup_logging
+
+log = logging.getLogger(__name__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m meshtrain.export",
+        description="Write the parameters of a meshtrain checkpoint, without optimizer state.",
+    )
+    parser.add_argument("checkpoint", type=Path, help="checkpoint, checkpoints/ or run directory")
+    parser.add_argument("out_dir", type=Path, help="new (or empty) directory to write")
+    parser.add_argument("--format", default="orbax", choices=sorted(EXPORTERS))
+    args = parser.parse_args(argv)
+    setup_logging(None, is_main=True)
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-phase INFO lines
+    jax.config.update("jax_platforms", "cpu")  # whole arrays on the host; no accelerator needed
+    try:
+        source = export(args.checkpoint, args.out_dir, args.format)
+    except (ExportError, ConfigError) as err:
+        fail(str(err))
+    log.info("exported the parameters of %s as %s to %s", source, args.format, args.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

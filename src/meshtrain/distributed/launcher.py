@@ -1,0 +1,294 @@
+"""Runs the processes of one training run on this machine; its command line is
+`python -m meshtrain.launch` (meshtrain.cli.launch).
+
+    python -m meshtrain.launch --nprocs N [--devices-per-process K] run_training.py [overrides...]
+
+Each process gets torchrun-style variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE), its own K devices (K faked CPU devices, or K of the machine's
+GPUs) and MESHTRAIN_RUN_ID, so that all processes write into one run directory. Every output
+line is prefixed with `[rank R]`. When a process fails, the others are stopped and the launcher
+exits with the failed process's exit code.
+
+Alone, it runs a whole job on this machine (coordinator 127.0.0.1, a free port). On several
+machines, run it on each with the same MASTER_ADDR (the first machine's address), MASTER_PORT
+and WORLD_SIZE (the number of processes on all machines together), and RANK set to the global
+rank of this machine's first process: 0 on the first machine, then the sum of the --nprocs of
+the machines before it (RANK=4 on the second of two machines with --nprocs 4).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from meshtrain.distributed.environment import RUN_ID_VAR, TORCHRUN_VARS, env_int
+from meshtrain.errors import ConfigError
+
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+
+
+@dataclass(frozen=True)
+class NodeRanks:
+    """Where this machine's processes sit in the whole run."""
+
+    master_addr: str
+    master_port: int
+    first_rank: int  # global rank of this machine's first process
+    world_size: int  # processes on all machines
+
+
+def node_ranks(nprocs: int, environ: Mapping[str, str]) -> NodeRanks:
+    """The whole run on this machine, or this machine's share of a run whose MASTER_ADDR,
+    MASTER_PORT, WORLD_SIZE and RANK (this machine's first rank) are in the environment."""
+    given = [name for name in TORCHRUN_VARS if environ.get(name, "") != ""]
+    if not given:
+        return NodeRanks("127.0.0.1", free_port(), 0, nprocs)
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE") if name not in given]
+    if missing:
+        raise ConfigError(
+            f"{', '.join(given)} set but {', '.join(missing)} not: on several machines set "
+            "MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK on each (see docs/multi-node.md), "
+            "or none of them to run everything on this machine"
+        )
+    port = env_int(environ, "MASTER_PORT", minimum=1)
+    if port > 65535:
+        raise ConfigError(f"MASTER_PORT={port} is not a TCP port; use one in 1..65535, e.g. 29500")
+    world = env_int(environ, "WORLD_SIZE", minimum=1)
+    if "RANK" in given:
+        first = env_int(environ, "RANK")
+    elif world == nprocs:
+        first = 0
+    else:
+        raise ConfigError(
+            f"RANK is not set but WORLD_SIZE={world} is more than --nprocs {nprocs}: set RANK to "
+            "the global rank of this machine's first process (0 on the first machine, then the "
+            "sum of --nprocs of the machines before)"
+        )
+    if first + nprocs > world:
+        raise ConfigError(
+            f"RANK={first} + --nprocs {nprocs} is more than WORLD_SIZE={world}: this machine would "
+            f"run ranks {first}..{first + nprocs - 1}, but ranks stop at {world - 1}; RANK is the "
+            "first rank on this machine and WORLD_SIZE the number of processes on all machines"
+        )
+    return NodeRanks(environ["MASTER_ADDR"], port, first, world)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (the coordinator binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def count_gpus(environ: Mapping[str, str]) -> int:
+    """Visible NVIDIA GPUs: CUDA_VISIBLE_DEVICES if set, else `nvidia-smi -L`; 0 without."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([g for g in visible.split(",") if g.strip() and g.strip() != "-1"])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        listing = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in listing.splitlines())
+
+
+def choose_platform(requested: str, needed: int, environ: Mapping[str, str]) -> str:
+    """ "cpu" or "gpu"; with "auto", GPUs when the machine has any."""
+    if requested == "cpu":
+        return "cpu"
+    gpus = count_gpus(environ)
+    if requested == "auto" and gpus == 0:
+        return "cpu"
+    if gpus < needed:
+        raise ConfigError(
+            f"{needed} GPUs needed (--nprocs × --devices-per-process) but {gpus} visible; "
+            "lower --nprocs or --devices-per-process, or use --platform cpu for faked devices"
+        )
+    return "gpu"
+
+
+def process_env(
+    base: Mapping[str, str],
+    node: NodeRanks,
+    *,
+    local_rank: int,
+    nprocs: int,
+    devices_per_process: int,
+    platform: str,
+    run_id: str,
+) -> dict[str, str]:
+    """The environment of this machine's process number `local_rank`."""
+    env = dict(base)
+    env.update(
+        MASTER_ADDR=node.master_addr,
+        MASTER_PORT=str(node.master_port),
+        RANK=str(node.first_rank + local_rank),
+        WORLD_SIZE=str(node.world_size),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        PYTHONUNBUFFERED="1",  # lines arrive as they are printed, not when a buffer fills
+    )
+    env[RUN_ID_VAR] = run_id
+    if platform == "cpu":
+        flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
+        flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+        env["XLA_FLAGS"] = " ".join(flags)
+        env["JAX_PLATFORMS"] = "cpu"
+    else:
+        first = local_rank * devices_per_process
+        ids = range(first, first + devices_per_process)
+        env["JAX_LOCAL_DEVICE_IDS"] = ",".join(str(i) for i in ids)  # read by JAX itself
+    return env
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def shell_exit_code(code: int) -> int:
+    """A child's return code as a shell reports it: 128 + N for a process killed by signal N."""
+    return 128 - code if code < 0 else code
+
+
+def _pump(source: BinaryIO, sink: BinaryIO, prefix: bytes, lock: threading.Lock) -> None:
+    for line in iter(source.readline, b""):
+        with lock:
+            sink.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+            sink.flush()
+    source.close()
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    raise _Interrupted(signum)
+
+
+def _stop(processes: Sequence[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM to the processes still running, SIGKILL to those still there after grace_s."""
+    alive = [p for p in processes if p.poll() is None]
+    for process in alive:
+        process.send_signal(signal.SIGTERM)
+    end = time.monotonic() + grace_s
+    for process in alive:
+        try:
+            process.wait(timeout=max(end - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _say(message: str) -> None:
+    print(f"meshtrain.launch: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """What `python -m meshtrain.launch` was asked to run (meshtrain.cli.launch parses it)."""
+
+    nprocs: int  # processes on this machine
+    devices_per_process: int  # faked CPU devices, or GPUs, of each process
+    platform: str  # auto, cpu or gpu
+    grace_period: float  # seconds the others get to exit after SIGTERM when one fails
+    script: str  # the training script, e.g. run_training.py
+    args: Sequence[str]  # its arguments (Hydra overrides)
+
+
+def launch(args: LaunchOptions, environ: Mapping[str, str] | None = None) -> int:
+    """Runs the processes and returns the exit code of the launcher."""
+    environ = dict(os.environ if environ is None else environ)
+    if not os.path.isfile(args.script):
+        raise ConfigError(f"script {args.script!r} does not exist; e.g. run_training.py")
+    node = node_ranks(args.nprocs, environ)
+    platform = choose_platform(args.platform, args.nprocs * args.devices_per_process, environ)
+    run_id = environ.get(RUN_ID_VAR) or time.strftime("%Y-%m-%d/%H-%M-%S")
+    last = node.first_rank + args.nprocs - 1
+    _say(
+        f"ranks {node.first_rank}..{last} of {node.world_size}, coordinator "
+        f"{node.master_addr}:{node.master_port}, {args.devices_per_process} {platform} "
+        f"device(s) per process, {RUN_ID_VAR}={run_id}"
+    )
+    lock = threading.Lock()
+    processes: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:
+        for local_rank in range(args.nprocs):
+            env = process_env(
+                environ,
+                node,
+                local_rank=local_rank,
+                nprocs=args.nprocs,
+                devices_per_process=args.devices_per_process,
+                platform=platform,
+                run_id=run_id,
+            )
+            process = subprocess.Popen(
+                [sys.executable, "-u", args.script, *args.args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            processes.append(process)
+            prefix = f"[rank {node.first_rank + local_rank}] ".encode()
+            for source, sink in (
+                (process.stdout, sys.stdout.buffer),
+                (process.stderr, sys.stderr.buffer),
+            ):
+                pump = threading.Thread(
+                    target=_pump, args=(source, sink, prefix, lock), daemon=True
+                )
+                pump.start()
+                pumps.append(pump)
+        return _supervise(processes, node.first_rank, args.grace_period)
+    except (KeyboardInterrupt, _Interrupted) as err:
+        signum = err.signum if isinstance(err, _Interrupted) else signal.SIGINT
+        _say(f"{signal.Signals(signum).name} received; stopping all processes")
+        _stop(processes, args.grace_period)
+        return 128 + signum
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for pump in pumps:
+            pump.join(timeout=5)
+
+
+def _supervise(processes: Sequence[subprocess.Popen], first_rank: int, grace_s: float) -> int:
+    """Waits for all processes; at the first failure stops the rest and returns its exit code."""
+    while True:
+        codes = [process.poll() for process in processes]
+        failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            index, code = failed[0]
+            rest = [str(first_rank + i) for i, c in enumerate(codes) if c is None]
+            _say(
+                f"rank {first_rank + index} {describe_exit(code)}"
+                + (f"; stopping ranks {', '.join(rest)}" if rest else "")
+            )
+            _stop(processes, grace_s)
+            return shell_exit_code(code)
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(0.1)

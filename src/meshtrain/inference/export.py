@@ -1,0 +1,127 @@
+"""Writes a checkpoint's parameters alone; its command line is `python -m meshtrain.export
+<checkpoint> <out_dir>` (meshtrain.cli.export).
+
+`<checkpoint>` is a checkpoint directory (`.../checkpoints/200`), a directory of them (the newest
+readable one is taken) or a run directory. Formats (`--format`):
+
+  orbax        <out_dir>/params/ and <out_dir>/meta/: a training checkpoint without the optimizer
+               state, so `checkpoint.load_params=<out_dir>` fine-tunes from it (the default)
+  safetensors  <out_dir>/model.safetensors, tensors named by path ("blocks.0.attn.q"), and
+               <out_dir>/config.json with the model config, for sharing and inference
+  hf           a Hugging Face checkpoint of the model's family (meshtrain.export_hf):
+               config.json, safetensors with transformers' names, the tokenizer
+
+A new format is one more function in EXPORTERS. Export reads whole arrays into host memory
+(about the size of the parameters) on CPU; it needs no accelerator.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+from safetensors.numpy import save_file
+
+from meshtrain.checkpoint.layout import (
+    FORMAT,
+    META,
+    PARAMS,
+    CorruptCheckpoint,
+    find_checkpoints,
+    named_leaves,
+    read_params,
+)
+from meshtrain.config import ModelConfig
+from meshtrain.hf.save import export_hf
+from meshtrain.models.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+
+def write_orbax(params: Any, meta: dict[str, Any], out_dir: Path) -> None:
+    checkpointer = ocp.Checkpointer(
+        ocp.CompositeCheckpointHandler(
+            **{PARAMS: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
+        )
+    )
+    args = {PARAMS: ocp.args.StandardSave(params), META: ocp.args.JsonSave(meta)}
+    checkpointer.save(out_dir, args=ocp.args.Composite(**args))
+    checkpointer.close()
+
+
+def write_safetensors(params: Any, meta: dict[str, Any], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(
+        named_leaves(params), out_dir / "model.safetensors", metadata={"step": str(meta["step"])}
+    )
+    config = {"model": meta["config"]["model"], "step": meta["step"], "source": meta["source"]}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_hf(params: Any, meta: dict[str, Any], out_dir: Path) -> None:
+    model = ModelConfig(**meta["config"]["model"])
+    # export_hf walks the model's own tree (int keys for the blocks); the saved tree has the
+    # same dotted names, so the arrays are placed by name.
+    abstract = nnx.to_pure_dict(
+        nnx.state(nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0))), nnx.Param)
+    )
+    saved = named_leaves(params)
+    arrays = [jnp.asarray(saved[name]) for name in named_leaves(abstract)]
+    keyed = jax.tree.unflatten(jax.tree.structure(abstract), arrays)
+    export_hf(keyed, model, out_dir, meta["config"]["data"]["tokenizer"])
+
+
+# --format name → writer(params as numpy arrays, export description, out_dir)
+EXPORTERS: dict[str, Callable[[Any, dict[str, Any], Path], None]] = {
+    "orbax": write_orbax,
+    "safetensors": write_safetensors,
+    "hf": write_hf,
+}
+
+
+class ExportError(Exception):
+    """Bad input to the export command; reported as one line, exit code 2."""
+
+
+def export(checkpoint: Path, out_dir: Path, fmt: str = "orbax") -> Path:
+    """Writes the parameters of the newest readable checkpoint at `checkpoint`; returns its path."""
+    checkpoint, out_dir = checkpoint.resolve(), out_dir.resolve()  # orbax wants absolute paths
+    if fmt not in EXPORTERS:
+        raise ExportError(f"--format {fmt} is not supported; use one of: {', '.join(EXPORTERS)}")
+    if not checkpoint.exists():
+        raise ExportError(f"checkpoint {checkpoint} does not exist")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ExportError(f"{out_dir} is not empty; export into a new directory")
+    candidates = find_checkpoints(checkpoint)
+    if not candidates:
+        raise ExportError(
+            f"{checkpoint} holds no complete checkpoint (a directory with params/ and meta/, "
+            "a directory of step directories, or a run directory with checkpoints/)"
+        )
+    for path in candidates:
+        try:
+            params, meta = read_params(path)
+        except CorruptCheckpoint as err:
+            log.warning("%s; trying the previous checkpoint", err)
+            continue
+        description = {
+            "format": FORMAT,
+            "step": meta["step"],
+            "source": str(path),
+            "config": meta["config"],
+            "fingerprints": {
+                k: v for k, v in meta["fingerprints"].items() if k.startswith("params.")
+            },
+        }
+        if out_dir.exists():
+            out_dir.rmdir()  # empty: orbax renames its temporary directory to this name
+        EXPORTERS[fmt](params, description, out_dir)
+        return path
+    raise ExportError(f"no readable checkpoint at {checkpoint}")

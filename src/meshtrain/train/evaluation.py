@@ -1,0 +1,49 @@
+"""The validation loss: fixed held-out batches, placed on the devices once, averaged per token."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from meshtrain.data import validation_batches
+from meshtrain.parallel.rules import logical_to_spec
+from meshtrain.train.batch import process_rows, to_global_array
+from meshtrain.train.setup import Setup
+from meshtrain.train.state import TrainState
+from meshtrain.train.step import make_eval_step
+
+
+def make_evaluator(setup: Setup, shardings: TrainState) -> Callable[[Any], float] | None:
+    """A function params → mean validation loss over fixed batches, or None when eval is off."""
+    cfg = setup.cfg
+    if setup.validation_data is None:
+        return None
+    eval_shape = (setup.micro_global, cfg.data.seq_len + 1)  # [batch, seq_len + 1]
+    eval_sharding = NamedSharding(
+        setup.mesh, logical_to_spec(("batch", None), cfg.model.logical_axis_rules)
+    )
+    local = validation_batches(
+        setup.validation_data,
+        global_batch=setup.micro_global,
+        num_batches=cfg.training.eval_batches,
+        rows=process_rows(eval_sharding, eval_shape, axis=0),
+    )
+    device_batches = [to_global_array(b, eval_sharding, eval_shape) for b in local]
+    eval_step = make_eval_step(
+        setup.model,
+        param_shardings=shardings.params,
+        batch_sharding=eval_sharding,
+        pad_id=setup.validation_data.pad_id,
+        mixed_precision=cfg.training.mixed_precision,
+    )
+
+    def evaluate(params: Any) -> float:
+        sums = [eval_step(params, batch) for batch in device_batches]
+        loss_sum, count = np.sum(np.asarray(jax.device_get(sums), dtype=np.float64), axis=0)
+        return float(loss_sum / max(count, 1.0))
+
+    return evaluate

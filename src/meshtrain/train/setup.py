@@ -1,0 +1,223 @@
+"""A run's set-up: every start-up check, the mesh, the abstract model and the data; then the
+train step compiled from shapes alone, and what the compiled step tells (plan.json).
+
+Nothing here allocates a weight: `prepare` raises ConfigError before anything is compiled or
+written, and `compile_train_step` works on ShapeDtypeStructs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from meshtrain.config.schema import Config
+from meshtrain.config.validate import check_against_mesh, check_config, micro_batch_size
+from meshtrain.data import TokenDataset, build_dataset
+from meshtrain.distributed.runtime import process_hosts
+from meshtrain.errors import ConfigError
+from meshtrain.models.abstract import AbstractModel, abstract_model
+from meshtrain.observe.communication import CommunicationReport, account_collectives
+from meshtrain.observe.flops import train_flops_per_step
+from meshtrain.observe.memory_plan import MemoryPlan, device_capacity, memory_plan
+from meshtrain.observe.throughput import ThroughputMeter, peak_flops_per_device
+from meshtrain.parallel.mesh import MeshSpec, build_mesh, format_mesh_shape, parse_mesh_shape
+from meshtrain.parallel.rules import logical_to_spec
+from meshtrain.train.optimizer import learning_rate_schedule
+from meshtrain.train.state import TrainState, abstract_train_state
+from meshtrain.train.step import make_train_step
+from meshtrain.units import format_flops
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Setup:
+    """Everything decided at start-up, before any compile or allocation."""
+
+    cfg: Config
+    mesh_spec: MeshSpec
+    mesh: Mesh
+    model: AbstractModel
+    micro_batch_size: int
+    train_data: TokenDataset | None  # None in a dry run, which reads no data
+    validation_data: TokenDataset | None
+
+    @property
+    def batch_shards(self) -> int:
+        return self.mesh.shape["dp"] * self.mesh.shape["fsdp"]
+
+    @property
+    def micro_global(self) -> int:
+        """Sequences per micro-batch over the whole mesh."""
+        return self.micro_batch_size * self.batch_shards
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_global * self.cfg.training.gradient_accumulation_steps
+
+    @property
+    def batch_shape(self) -> tuple[int, int, int]:
+        """The train step's batch: [accumulation steps, micro_global, seq_len + 1]."""
+        accum = self.cfg.training.gradient_accumulation_steps
+        return (accum, self.micro_global, self.cfg.data.seq_len + 1)
+
+    @property
+    def flops_per_step(self) -> int:
+        """Model FLOPs of one update, all devices (meshtrain.observe.flops)."""
+        return train_flops_per_step(
+            self.cfg.model, seq_len=self.cfg.data.seq_len, sequences=self.global_batch
+        )
+
+
+def _build_data(cfg: Config, split: str) -> TokenDataset:
+    try:
+        return build_dataset(cfg.data, split=split, vocab_size=cfg.model.vocab_size)
+    except ValueError as err:  # the data modules name the key and the fix
+        raise ConfigError(str(err)) from None
+
+
+def prepare(
+    cfg: Config, devices: Sequence[jax.Device] | None = None, *, with_data: bool = True
+) -> Setup:
+    """All start-up checks; raises ConfigError before anything is compiled or allocated.
+    (The checkpoint and initial-weight checks, which read the disk, follow in the loop's
+    `_open_checkpoints`, still before any compile.)"""
+    check_config(cfg)
+    devices = list(devices) if devices is not None else jax.devices()
+    mesh_spec = parse_mesh_shape(cfg.model.mesh_shape, len(devices))
+    check_against_mesh(cfg, mesh_spec)
+    mesh = build_mesh(mesh_spec, devices, hosts=process_hosts())
+    model = abstract_model(cfg.model, mesh, mesh_spec)  # shapes only: allocates nothing
+    micro = micro_batch_size(cfg, mesh_spec)
+    if not with_data:
+        return Setup(cfg, mesh_spec, mesh, model, micro, None, None)
+    train_data = _build_data(cfg, "train")
+    if len(train_data) == 0:
+        raise ConfigError(
+            f"data.path={cfg.data.path!r} with data.glob={cfg.data.glob!r} gave no training sequences"
+        )
+    validation_data = _build_data(cfg, "validation") if cfg.training.eval_every else None
+    if validation_data is not None and len(validation_data) == 0:
+        validation_data = None
+    return Setup(cfg, mesh_spec, mesh, model, micro, train_data, validation_data)
+
+
+def describe(setup: Setup) -> None:
+    """The start-up lines: mesh, model size, global batch and data."""
+    cfg = setup.cfg
+    num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(setup.model.abstract_params))
+    sizes = [setup.mesh_spec.sizes[a] for a in setup.mesh.axis_names]
+    log.info(
+        "mesh %s on %d %s device(s), %d process(es)",
+        format_mesh_shape(sizes, setup.mesh.axis_names),
+        setup.mesh.size,
+        setup.mesh.devices.flat[0].platform,
+        jax.process_count(),
+    )
+    log.info("model %s: %s parameters", cfg.model.name, f"{num_params:,}")
+    log.info(
+        "global batch %d sequences × %d tokens (micro_batch_size %d × %d batch shards × %d accumulation steps)",
+        setup.global_batch,
+        cfg.data.seq_len,
+        setup.micro_batch_size,
+        setup.batch_shards,
+        cfg.training.gradient_accumulation_steps,
+    )
+    if setup.train_data is not None:
+        log.info("data: %d training sequences (%s)", len(setup.train_data), cfg.data.source)
+
+
+def compile_train_step(
+    setup: Setup, tx: optax.GradientTransformation, shardings: TrainState, *, pad_id: int
+) -> tuple[jax.stages.Compiled, NamedSharding]:
+    """The train step compiled from shapes and shardings alone, and the batch's sharding.
+
+    Compiling ahead of the loop gives the plan and the communication report the executable that
+    will run, and keeps compilation out of the first step's time.
+    """
+    cfg = setup.cfg
+    batch_sharding = NamedSharding(
+        setup.mesh, logical_to_spec((None, "batch", None), cfg.model.logical_axis_rules)
+    )
+    train_step = make_train_step(
+        setup.model,
+        tx,
+        learning_rate_schedule(cfg.training),
+        state_shardings=shardings,
+        batch_sharding=batch_sharding,
+        pad_id=pad_id,
+        mixed_precision=cfg.training.mixed_precision,
+        nonfinite=cfg.training.nonfinite,
+    )
+    abstract_batch = jax.ShapeDtypeStruct(setup.batch_shape, np.int32, sharding=batch_sharding)
+    start = time.perf_counter()
+    compiled = train_step.lower(
+        abstract_train_state(setup.model, tx, shardings), abstract_batch
+    ).compile()
+    log.info("compiled the train step in %.1f s", time.perf_counter() - start)
+    return compiled, batch_sharding
+
+
+def inspect_compiled(
+    setup: Setup,
+    compiled: jax.stages.Compiled,
+    tx: optax.GradientTransformation,
+    shardings: TrainState,
+    run_dir: Path,
+    is_main: bool,
+) -> tuple[MemoryPlan, CommunicationReport]:
+    """Logs the compiled step's memory plan (and every collective, with
+    training.profile_communication) and writes plan.json (and communication.json)."""
+    cfg = setup.cfg
+    communication = account_collectives(compiled.as_text(), setup.mesh)
+    device, capacity = device_capacity(
+        cfg.plan.device, list(setup.mesh.devices.flat), cfg.plan.memory_fraction
+    )
+    plan = memory_plan(
+        compiled,
+        mesh=setup.mesh,
+        micro_batch_size=setup.micro_batch_size,
+        abstract_state=abstract_train_state(setup.model, tx, shardings),
+        state_shardings=shardings,
+        collective_bytes_per_step=communication.ring_bytes_per_step,
+        flops_per_step=setup.flops_per_step / setup.mesh.size,
+        device=device,
+        capacity_bytes=capacity,
+        remat=cfg.model.remat,
+        scan_layers=cfg.model.scan_layers,
+    )
+    lines = plan.format()
+    if cfg.training.profile_communication:
+        lines += communication.format()
+    for line in lines:
+        log.info(line)
+    if is_main:
+        plan.write(run_dir / "plan.json")
+        if cfg.training.profile_communication:
+            communication.write(run_dir / "communication.json")
+    return plan, communication
+
+
+def throughput_meter(setup: Setup) -> ThroughputMeter:
+    """Tokens/s, TFLOP/s and MFU against the devices' peak (logged once, with its source)."""
+    devices = list(setup.mesh.devices.flat)
+    peak, source = peak_flops_per_device(devices, setup.cfg.training.mixed_precision)
+    if peak is None:
+        log.info("MFU: %s", source)
+    else:
+        log.info("MFU against %s per device (%s)", format_flops(peak, "/s"), source)
+    return ThroughputMeter(
+        devices=devices,
+        tokens_per_step=setup.global_batch * setup.cfg.data.seq_len,
+        flops_per_step=setup.flops_per_step,
+        peak_flops_per_device=peak,
+    )
