@@ -20,7 +20,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from meshtrain.cli.train import describe_config_error
-from meshtrain.config import register_configs, to_config
+from meshtrain.config.hydra import register_configs, to_config
 from meshtrain.errors import ConfigError
 from meshtrain.hf.save import export_hf
 from meshtrain.train.loop import train

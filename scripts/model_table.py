@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from meshtrain.config import register_configs, to_config
+from meshtrain.config.hydra import register_configs, to_config
 from meshtrain.models.transformer import parameter_count
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"

@@ -46,10 +46,10 @@ def main() -> None:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", MAX_DEVICES)
     sys.path.insert(0, str(REPO / "tests"))
-    from conftest import compose_config
+    from helpers.config import compose_config
 
+    from meshtrain.train.dry_run import dry_run
     from meshtrain.units import format_bytes as gib
-    from meshtrain.train.loop import dry_run
 
     logging.disable(logging.INFO)
     rows = TINY_ROWS + (LARGE_ROWS if args.large else [])

@@ -11,3 +11,8 @@ class DistributedError(RuntimeError):
     """Another process of a multi-process run is missing, died or differs; one line, exit code 1."""
 
     exit_code = 1
+
+
+def error_line(message: str) -> str:
+    """The one line every entry point prints for an error (meshtrain.cli.exit.fail)."""
+    return f"meshtrain: error: {message}"

@@ -4,14 +4,20 @@ becomes one line and exit code 2.
 Hydra reports its own composition errors (unknown keys, wrong types) as several lines and exit
 code 1; we ask it to raise them instead and print one line that names the key and the fix.
 `HYDRA_FULL_ERROR=1` (or `MESHTRAIN_DEBUG=1`) shows the full traceback instead.
+
+Before JAX starts its backend, the command also turns on JAX's persistent compilation cache
+(training.compilation_cache_dir) and, on GPU, adds meshtrain's default XLA flags
+(training.xla_gpu_flags); docs/performance.md.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
+import pkgutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import hydra
@@ -22,8 +28,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from meshtrain.cli.exit import EXIT_NONFINITE, fail
 from meshtrain.config.hydra import register_configs, to_config
+from meshtrain.config.schema import AUTO_CACHE, cache_dir
 from meshtrain.distributed.environment import register_run_dir_resolvers
 from meshtrain.errors import ConfigError, DistributedError
+from meshtrain.units import MIB
+
+log = logging.getLogger(__name__)
 
 # At import as well as in make_main: a Hydra launcher that runs the jobs in other processes
 # (submitit) imports this module there and resolves `hydra.output_subdir` without make_main.
@@ -62,6 +72,102 @@ def describe_config_error(err: BaseException) -> str:
     return first
 
 
+# meshtrain's XLA flags for GPU runs (docs/performance.md), each added to XLA_FLAGS unless it is
+# set there already: the latency-hiding scheduler overlaps collectives with compute, and larger
+# combine thresholds merge the many small per-parameter collectives of FSDP into fewer, larger ones.
+DEFAULT_XLA_GPU_FLAGS: dict[str, str] = {
+    "xla_gpu_enable_latency_hiding_scheduler": "true",
+    "xla_gpu_all_reduce_combine_threshold_bytes": str(128 * MIB),
+    "xla_gpu_all_gather_combine_threshold_bytes": str(128 * MIB),
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": str(64 * MIB),
+}
+_GPU_PLATFORMS = ("cuda", "gpu", "rocm")
+
+
+def _flag_name(token: str) -> str:
+    return token.lstrip("-").split("=", 1)[0]
+
+
+def merge_xla_flags(existing: str, defaults: Mapping[str, str]) -> str:
+    """`existing` (an XLA_FLAGS value) followed by `--name=value` for each default whose name it
+    does not set (with any value, or bare): a flag the user set always wins."""
+    named = {_flag_name(t) for t in existing.split() if t.startswith("-")}
+    added = [f"--{name}={value}" for name, value in defaults.items() if name not in named]
+    return " ".join([existing.strip(), *added]).strip()
+
+
+def _gpu_plugin_installed() -> bool:
+    names = [entry.name for entry in importlib.metadata.entry_points(group="jax_plugins")]
+    try:
+        import jax_plugins  # a namespace package, present with a GPU plugin
+
+        names += [module.name for module in pkgutil.iter_modules(jax_plugins.__path__)]
+    except ImportError:
+        pass
+    return any(kind in name for name in names for kind in ("cuda", "rocm"))
+
+
+def gpu_expected(platforms: str | None) -> bool:
+    """Whether JAX will run on a GPU, decided before its backend starts: `platforms` (JAX_PLATFORMS
+    or jax_platforms) names one, or is unset and a CUDA or ROCm plugin is installed."""
+    if platforms:
+        return any(p.strip() in _GPU_PLATFORMS for p in platforms.split(","))
+    return _gpu_plugin_installed()
+
+
+def configure_xla_gpu_flags(enabled: bool) -> list[str]:
+    """Adds DEFAULT_XLA_GPU_FLAGS that XLA_FLAGS lacks, when `enabled` (training.xla_gpu_flags)
+    and a GPU will be used; returns the flags added. Must run before JAX starts its backend."""
+    import jax  # here, so that `--help` and `--cfg job` need no JAX
+
+    platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS")
+    if not enabled or not gpu_expected(platforms):
+        return []
+    existing = os.environ.get("XLA_FLAGS", "")
+    merged = merge_xla_flags(existing, DEFAULT_XLA_GPU_FLAGS)
+    added = merged[len(existing.strip()) :].split()
+    if added:
+        os.environ["XLA_FLAGS"] = merged
+        log.info("XLA flags for GPU added (training.xla_gpu_flags): %s", " ".join(added))
+    return added
+
+
+def compilation_cache_dir(
+    setting: str | None, *, env_dir: str | None, enabled: bool = True
+) -> str | None:
+    """The directory of JAX's persistent compilation cache for training.compilation_cache_dir =
+    `setting`: auto → `env_dir` ($JAX_COMPILATION_CACHE_DIR) if set, else <cache root>/jax, and
+    none at all if JAX's cache is disabled (`enabled` false: JAX_ENABLE_COMPILATION_CACHE=false);
+    a directory → that directory; null → None (off)."""
+    if setting is None:
+        return None
+    if setting == AUTO_CACHE:
+        if not enabled:
+            return None
+        return env_dir or str(cache_dir(AUTO_CACHE, "jax"))
+    return str(cache_dir(setting, "jax"))
+
+
+def configure_compilation_cache(setting: str | None) -> str | None:
+    """Turns JAX's persistent compilation cache on in compilation_cache_dir(setting), or off;
+    returns the directory. Must run before the first compile. Compiles that take at least
+    jax_persistent_cache_min_compile_time_secs (JAX's default: 1 s) are cached."""
+    import jax  # here, so that `--help` and `--cfg job` need no JAX
+
+    directory = compilation_cache_dir(
+        setting,
+        env_dir=jax.config.jax_compilation_cache_dir,
+        enabled=jax.config.jax_enable_compilation_cache,
+    )
+    if directory is None:
+        if setting is None:
+            jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    return directory
+
+
 def train_from_hydra(cfg: DictConfig) -> None:
     """The Hydra task: typed config → training run in Hydra's output directory."""
     # Imported here so `--help` and `--cfg job` answer without starting JAX.
@@ -78,6 +184,8 @@ def train_from_hydra(cfg: DictConfig) -> None:
     try:
         config = to_config(cfg)
         use_fake_cpu_devices(config.plan.fake_devices)  # before anything starts JAX's backend
+        configure_xla_gpu_flags(config.training.xla_gpu_flags)  # read when the backend starts
+        configure_compilation_cache(config.training.compilation_cache_dir)  # before any compile
         with shared_failures():
             # Before anything touches a JAX device; all processes agree on process 0's run dir.
             run_dir = join_run(config.distributed, Path(HydraConfig.get().runtime.output_dir))

@@ -12,7 +12,9 @@ OmegaConf 2.3 does not accept `Literal` annotations, so those fields are typed `
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 Activation = Literal["silu", "gelu"]
@@ -23,6 +25,8 @@ RopeScaling = Literal["none", "linear", "llama3"]
 """model.rope_scaling."""
 RematPolicy = Literal["none", "full", "dots_saveable", "minimal"]
 """model.remat."""
+AttentionImpl = Literal["auto", "xla", "cudnn"]
+"""model.attention: auto (cuDNN on NVIDIA GPUs in bf16/fp16 where the shapes allow, else XLA), xla or cudnn."""
 Family = Literal["llama", "qwen3", "gemma3"]
 """model.family: the Hugging Face architecture for import and export."""
 LrSchedule = Literal["cosine", "constant"]
@@ -40,6 +44,30 @@ ClusterDetection = Literal["slurm", "ompi", "mpi4py", "gcetpu", "gketpu"]
 def choices(literal: Any) -> tuple[str, ...]:
     """The allowed values of a Literal type, in their order of declaration."""
     return get_args(literal)
+
+
+AUTO_CACHE = "auto"
+"""The value of a cache-directory key (training.compilation_cache_dir, data.cache_dir) that puts
+the cache under cache_root(); null turns that cache off; any other value is its directory."""
+CACHE_ROOT_ENV = "MESHTRAIN_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """Root of meshtrain's caches on this machine (the compilation cache, packed corpora, the
+    measured CPU peak): $MESHTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/meshtrain, else
+    ~/.cache/meshtrain. Everything in it can be deleted at any time."""
+    if os.environ.get(CACHE_ROOT_ENV):
+        return Path(os.environ[CACHE_ROOT_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "meshtrain"
+
+
+def cache_dir(value: str | None, name: str) -> Path | None:
+    """The directory a cache-directory key names: "auto" → cache_root()/name, null → None (that
+    cache is off), anything else → that path (~ expanded)."""
+    if value is None:
+        return None
+    return cache_root() / name if value == AUTO_CACHE else Path(value).expanduser()
 
 
 # Logical axis name → mesh axes (None: replicated). Megatron-style: heads and the MLP hidden
@@ -126,6 +154,8 @@ class ModelConfig:
     """Activation recomputation per block: none, full, dots_saveable or minimal (docs/models.md)."""
     scan_layers: bool = False
     """Stack the blocks' parameters on a `layers` axis and run them in a lax.scan (flat compile time)."""
+    attention: str = "auto"  # AttentionImpl
+    """Attention implementation: auto (cuDNN on NVIDIA GPUs in bf16/fp16 when it can, else XLA), xla or cudnn."""
     init_from: str | None = None
     """hf:/path/to/dir: start from a local Hugging Face checkpoint; null: random init."""
 
@@ -144,6 +174,8 @@ class DataConfig:
     """Tokens per training sequence (each example holds seq_len + 1 tokens: inputs and shifted targets)."""
     validation_fraction: float = 0.05
     """Share of documents held out for validation (chosen deterministically by path)."""
+    cache_dir: str | None = AUTO_CACHE
+    """Packed text_files sequences, keyed by the files (paths, sizes, mtimes), tokenizer and seq_len: auto (<cache root>/data), a directory, or null (off)."""
 
 
 @dataclass
@@ -192,6 +224,10 @@ class TrainingConfig:
     """Log every collective of the compiled step and write <run_dir>/communication.json."""
     dry_run: bool = False
     """Compile the step on abstract inputs, log the memory plan, write plan.json and stop."""
+    compilation_cache_dir: str | None = AUTO_CACHE
+    """JAX's persistent compilation cache: auto ($JAX_COMPILATION_CACHE_DIR, else <cache root>/jax), a directory, or null (off); CLI only."""
+    xla_gpu_flags: bool = True
+    """On GPU, add meshtrain's default XLA flags (docs/performance.md) that XLA_FLAGS does not set already; CLI only."""
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 from meshtrain.accelerators import accelerator_named
 from meshtrain.config.schema import (
     Activation,
+    AttentionImpl,
     CheckpointConfig,
     Config,
     Family,
@@ -108,6 +109,14 @@ def check_config(cfg: Config) -> None:
     )
     if training.global_batch_size is not None:
         _positive("training.global_batch_size", training.global_batch_size)
+    for key, value in (
+        ("data.cache_dir", data.cache_dir),
+        ("training.compilation_cache_dir", training.compilation_cache_dir),
+    ):
+        _require(
+            value is None or value.strip() != "",
+            f"{key}={value!r} names no directory; use auto, a directory, or null (no cache)",
+        )
 
     profile, plan = cfg.profile, cfg.plan
     _positive("profile.start_step", profile.start_step)
@@ -160,6 +169,9 @@ def _check_model_flavour(cfg: Config) -> None:
     if model.query_pre_attn_scalar is not None:
         _positive("model.query_pre_attn_scalar", model.query_pre_attn_scalar)
     _one_of("model.remat", model.remat, choices(RematPolicy))
+    # cudnn on a machine without an NVIDIA GPU is refused where the devices are known
+    # (meshtrain.models.abstract.abstract_model), still before anything compiles.
+    _one_of("model.attention", model.attention, choices(AttentionImpl))
     _positive("model.max_seq_len", model.max_seq_len)
     _require(
         cfg.data.seq_len <= model.max_seq_len,

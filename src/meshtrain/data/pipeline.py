@@ -8,7 +8,9 @@ import grain
 import numpy as np
 
 from meshtrain.config import DataConfig
+from meshtrain.config.schema import cache_dir
 from meshtrain.data.corpus import list_documents, read_tokens, resolve_root, split_documents
+from meshtrain.data.corpus_cache import cached_sequences
 from meshtrain.data.packing import pack_documents
 from meshtrain.data.synthetic import SyntheticDataset
 from meshtrain.data.tokenizer import build_tokenizer
@@ -29,7 +31,8 @@ class TokenDataset(Protocol):
 
 
 class PackedTextDataset:
-    """Documents packed into sequences, held in memory (the stdlib is ~30 MB of bytes)."""
+    """Documents packed into sequences: in memory, or memory-mapped from the corpus cache
+    (meshtrain.data.corpus_cache; read-only either way)."""
 
     def __init__(self, sequences: np.ndarray, *, vocab_size: int, pad_id: int, split: str):
         self.sequences = sequences  # int32 [num_sequences, seq_len + 1]
@@ -75,12 +78,22 @@ def build_dataset(cfg: DataConfig, *, split: str, vocab_size: int) -> TokenDatas
         )
     paths = list_documents(cfg.path, cfg.glob)
     train, validation = split_documents(paths, cfg.validation_fraction, root=resolve_root(cfg.path))
-    sequences = pack_documents(
-        read_tokens(train if split == "train" else validation, tokenizer),
-        cfg.seq_len,
-        bos_id=tokenizer.bos_id,
-        eos_id=tokenizer.eos_id,
-        pad_id=tokenizer.pad_id,
+    documents = train if split == "train" else validation
+
+    def pack() -> np.ndarray:
+        return pack_documents(
+            read_tokens(documents, tokenizer),
+            cfg.seq_len,
+            bos_id=tokenizer.bos_id,
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+        )
+
+    directory = cache_dir(cfg.cache_dir, "data")
+    sequences = (
+        pack()
+        if directory is None
+        else cached_sequences(directory, documents, tokenizer, cfg.seq_len, pack, split=split)
     )
     return PackedTextDataset(
         sequences, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id, split=split

@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 from meshtrain.config import DistributedConfig
 from meshtrain.distributed.environment import ProcessSpec, env_process_id, resolve_process_spec
 from meshtrain.distributed.rendezvous import SETTLE_S, Roster, roll_call
-from meshtrain.errors import ConfigError, DistributedError
+from meshtrain.errors import ConfigError, DistributedError, error_line
 from meshtrain.observe.metrics import setup_logging
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ _CONSEQUENCE_WAIT_S = 3.0
 
 
 def _report(message: str) -> None:
-    print(f"meshtrain: error: {message}", file=sys.stderr, flush=True)
+    print(error_line(message), file=sys.stderr, flush=True)
 
 
 @contextmanager

@@ -14,12 +14,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config.schema import Family, ModelConfig, choices
+from meshtrain.config.schema import Family, ModelConfig
 from meshtrain.errors import ConfigError
 
-FAMILIES = choices(Family)
 _FAMILY_OF_MODEL_TYPE = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}
-_MODEL_TYPE = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+_MODEL_TYPE: dict[Family, str] = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+FAMILIES = tuple(_MODEL_TYPE)  # the families this module reads and writes
 _ARCHITECTURE = {
     "llama": "LlamaForCausalLM",
     "qwen3": "Qwen3ForCausalLM",

@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshtrain.config.schema import ModelConfig
+from meshtrain.models.attention import check_attention
 from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.mesh import MeshSpec
 from meshtrain.parallel.rules import check_divisible, named_shardings, param_specs
@@ -29,16 +30,21 @@ class AbstractModel:
     abstract_state: nnx.State  # nnx.Param variables holding ShapeDtypeStructs
     abstract_params: Any  # the same as a nested dict of ShapeDtypeStruct
     param_shardings: Any  # nested dict of NamedSharding
+    config: ModelConfig | None = None  # what it was built from
 
 
 def abstract_model(cfg: ModelConfig, mesh: Mesh, mesh_spec: MeshSpec) -> AbstractModel:
-    """Abstract init (shapes only) plus the logical rules → shardings; checks even division."""
+    """Abstract init (shapes only) plus the logical rules → shardings; checks even division
+    and that model.attention can run on the mesh's devices."""
+    check_attention(cfg.attention, mesh.devices.flat[0])
     shapes_only = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(shapes_only, nnx.Param)
     specs = nnx.to_pure_dict(param_specs(abstract_state, cfg.logical_axis_rules))
     abstract_params = nnx.to_pure_dict(abstract_state)
     check_divisible(abstract_params, specs, mesh_spec)
-    return AbstractModel(graphdef, abstract_state, abstract_params, named_shardings(specs, mesh))
+    return AbstractModel(
+        graphdef, abstract_state, abstract_params, named_shardings(specs, mesh), config=cfg
+    )
 
 
 def merge_model(model: AbstractModel, params: Any) -> Transformer:

@@ -6,6 +6,8 @@ N query heads, K key/value heads, G query heads per key/value head, H head_dim, 
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtrain.config.schema import RopeScaling
+from meshtrain.models.attention import AttentionKernel, dot_product_attention
 from meshtrain.parallel.rules import Rules, constrain
 
 
@@ -24,6 +27,40 @@ def normal_param(
         std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32),
         logical_axes=tuple(logical_axes),
     )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def project(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """A projection: jnp.einsum(equation, x, w) where x is [B, T, *in] and w [*in, *out] (the
+    dimensions `in` are contracted), e.g. "BTD,DNH->BTNH".
+
+    The forward pass is that einsum. The backward pass spells out the weight gradient as one
+    2-D matmul, x^T [in, B·T] @ dy [B·T, out], with x^T materialised first on CPU: left to
+    itself, XLA's CPU backend folds the transpose into the dot and transposes the larger dy
+    instead, into a dot its fast matmul library does not take (the MLP's backward pass ran
+    1.7× slower so). The gradients are the einsum's own, to the rounding of the matmul.
+    """
+    return jnp.einsum(equation, x, w)
+
+
+def _project_fwd(equation: str, x: jax.Array, w: jax.Array):
+    return jnp.einsum(equation, x, w), (x, w)
+
+
+def _project_bwd(equation: str, residuals, dy: jax.Array):
+    x, w = residuals
+    inputs, out = equation.split("->")
+    x_spec, w_spec = inputs.split(",")
+    dx = jnp.einsum(f"{out},{w_spec}->{x_spec}", dy, w)
+    contracted = x.ndim - 2  # x: [B, T, *in]
+    x_t = x.reshape(-1, math.prod(x.shape[2:])).T  # [in, B·T]
+    if jax.default_backend() == "cpu":
+        x_t = jax.lax.optimization_barrier(x_t)
+    dw = x_t @ dy.reshape(-1, math.prod(w.shape[contracted:]))
+    return dx, dw.reshape(w.shape).astype(w.dtype)
+
+
+project.defvjp(_project_fwd, _project_bwd)
 
 
 class RMSNorm(nnx.Module):
@@ -105,17 +142,6 @@ def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
-def causal_mask(length: int, window: int | None) -> jax.Array:
-    """bool [T, S]: query t sees key s <= t, and with a window only the last `window` keys
-    (s > t - window, the convention of Hugging Face's sliding-window mask)."""
-    t = jnp.arange(length)[:, None]
-    s = jnp.arange(length)[None, :]
-    mask = s <= t
-    if window is not None:
-        mask = mask & (s > t - window)
-    return mask
-
-
 class Attention(nnx.Module):
     """Grouped-query causal self-attention: K key/value heads, each shared by G = N/K query heads."""
 
@@ -156,12 +182,22 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, mask: jax.Array) -> jax.Array:
-        """x: [B, T, D] → [B, T, D]; sin, cos: [B, T, 1, H/2] (rope_angles); mask: bool [T, S]."""
+    def __call__(
+        self,
+        x: jax.Array,
+        sin: jax.Array,
+        cos: jax.Array,
+        *,
+        kernel: AttentionKernel,
+        window: int | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """x: [B, T, D] → [B, T, D]; sin, cos: [B, T, 1, H/2] (rope_angles); window: this
+        layer's sliding window (None: full causal); segment_ids: optional int32 [B, T]."""
         dtype = x.dtype
-        q = jnp.einsum("BTD,DNH->BTNH", x, self.q[...].astype(dtype))
-        k = jnp.einsum("BSD,DKH->BSKH", x, self.k[...].astype(dtype))
-        v = jnp.einsum("BSD,DKH->BSKH", x, self.v[...].astype(dtype))
+        q = project("BTD,DNH->BTNH", x, self.q[...].astype(dtype))
+        k = project("BSD,DKH->BSKH", x, self.k[...].astype(dtype))
+        v = project("BSD,DKH->BSKH", x, self.v[...].astype(dtype))
         q = constrain(q, ("batch", "length", "heads", None), self.rules)
         k = constrain(k, ("batch", "length", "kv_heads", None), self.rules)
         v = constrain(v, ("batch", "length", "kv_heads", None), self.rules)
@@ -169,19 +205,19 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, sin, cos)
         k = apply_rope(k, sin, cos)
-
-        batch, length = x.shape[:2]
-        groups = self.num_heads // self.num_kv_heads
-        # Query head n = k * G + g, so splitting N into (K, G) keeps the tp sharding on K.
-        q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)  # [B, T, K, G, H]
-        scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k).astype(jnp.float32)
-        scores = scores / jnp.sqrt(jnp.float32(self.score_scale_dim))
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-        out = out.reshape(batch, length, self.num_heads, self.head_dim)  # [B, T, N, H]
+        # Query head n reads key/value head n // G (G = N / K), so the tp sharding of the heads
+        # keeps each group on the device of its key/value head.
+        out = dot_product_attention(
+            q,
+            k,
+            v,
+            kernel=kernel,
+            scale=1.0 / math.sqrt(self.score_scale_dim),
+            window=window,
+            segment_ids=segment_ids,
+        )  # [B, T, N, H]
         out = constrain(out, ("batch", "length", "heads", None), self.rules)
-        return jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(dtype))
+        return project("BTNH,NHD->BTD", out, self.o[...].astype(dtype))
 
 
 class GatedMLP(nnx.Module):
@@ -207,10 +243,10 @@ class GatedMLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [B, T, D] → [B, T, D]."""
         dtype = x.dtype
-        gate = jnp.einsum("BTD,DF->BTF", x, self.gate[...].astype(dtype))
-        up = jnp.einsum("BTD,DF->BTF", x, self.up[...].astype(dtype))
+        gate = project("BTD,DF->BTF", x, self.gate[...].astype(dtype))
+        up = project("BTD,DF->BTF", x, self.up[...].astype(dtype))
         act = (
             jax.nn.silu if self.activation == "silu" else lambda g: jax.nn.gelu(g, approximate=True)
         )
         hidden = constrain(act(gate) * up, ("batch", "length", "mlp"), self.rules)
-        return jnp.einsum("BTF,FD->BTD", hidden, self.down[...].astype(dtype))
+        return project("BTF,FD->BTD", hidden, self.down[...].astype(dtype))

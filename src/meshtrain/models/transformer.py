@@ -17,12 +17,12 @@ import numpy as np
 from flax import nnx
 
 from meshtrain.config.schema import LayerKind, ModelConfig, RematPolicy, choices
+from meshtrain.models.attention import AttentionKernel, select_attention
 from meshtrain.models.layers import (
     Attention,
     GatedMLP,
     RMSNorm,
     RopeSpec,
-    causal_mask,
     normal_param,
     rope_angles,
 )
@@ -36,7 +36,8 @@ REMAT_POLICIES: dict[RematPolicy, Any] = {
     "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block
     "dots_saveable": jax.checkpoint_policies.dots_saveable,  # keep every matmul output
     # keep the projections' outputs (matmuls without batch dimensions), recompute attention
-    # scores and probabilities ([B, K, G, T, S], the largest activations) and element-wise ops
+    # scores and probabilities ([B, N, T, S], or [B, N, block, keys] per block of queries of the
+    # chunked kernel: the largest activations) and element-wise ops
     "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
@@ -111,9 +112,20 @@ class Block(nnx.Module):
             self.attn_post_norm = self.mlp_post_norm = None
         self.rules = rules
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, mask: jax.Array) -> jax.Array:
-        """x: [B, T, D] → [B, T, D]; sin, cos and mask of this layer's kind (see Attention)."""
-        attn = self.attn(self.attn_norm(x), sin, cos, mask)
+    def __call__(
+        self,
+        x: jax.Array,
+        sin: jax.Array,
+        cos: jax.Array,
+        *,
+        kernel: AttentionKernel,
+        window: int | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """x: [B, T, D] → [B, T, D]; sin, cos and window of this layer's kind (see Attention)."""
+        attn = self.attn(
+            self.attn_norm(x), sin, cos, kernel=kernel, window=window, segment_ids=segment_ids
+        )
         if self.attn_post_norm is not None:
             attn = self.attn_post_norm(attn)
         x = constrain(x + attn, ("batch", "length", None), self.rules)
@@ -135,9 +147,15 @@ def stack_blocks(blocks: list[Block]) -> Block:
 class Transformer(nnx.Module):
     """tokens [B, T] int32 → logits [B, T, V] in the compute dtype of the parameters.
 
+    `hidden` runs everything up to the final norm and `logits` the output projection; the train
+    step calls the two apart, to fuse the projection with the loss. Every layer attends through
+    the one kernel model.attention selects (meshtrain.models.attention); optional segment ids
+    keep packed documents from attending to each other.
+
     With scan_layers, `blocks` is one Block whose parameters carry a leading [num_layers] axis,
-    run by a lax.scan (one block is compiled whatever the depth); otherwise a list of Blocks.
-    Both hold the same random initial values for the same seed.
+    run by a lax.scan (one block is compiled whatever the depth; with local and global layers,
+    a lax.switch runs the kind of each layer); otherwise a list of Blocks. Both hold the same
+    random initial values for the same seed.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -164,8 +182,30 @@ class Transformer(nnx.Module):
         self.rope = rope_specs(cfg)
         self.sliding_window = cfg.sliding_window
         self.remat = cfg.remat
+        self.attention = cfg.attention
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """tokens, positions (default 0 … T-1), segment_ids (optional: a token attends only to
+        earlier tokens of its own segment): int32 [B, T] → logits [B, T, V]."""
+        return self.logits(self.hidden(tokens, positions, segment_ids))
+
+    def attention_kernel(self, dtype: jnp.dtype) -> tuple[AttentionKernel, str]:
+        """The attention kernel model.attention selects in this compute dtype, and why."""
+        return select_attention(self.attention, dtype=dtype, head_dim=self.head_dim)
+
+    def hidden(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """The final-normed residual stream [B, T, D] that the output projection turns into
+        logits (the loss fuses that projection with the cross-entropy: meshtrain.train.step)."""
         embed = self.embed[...]
         dtype = embed.dtype  # the compute dtype: the caller casts the parameters
         if positions is None:
@@ -174,41 +214,74 @@ class Transformer(nnx.Module):
         if self.embed_scale is not None:
             x = x * jnp.asarray(self.embed_scale, dtype)
         x = constrain(x, ("batch", "length", None), self.rules)
-        # RoPE angles and masks depend only on the layer kind: computed once, shared by the layers.
-        length = tokens.shape[1]
+        # RoPE angles depend only on the layer kind: computed once, shared by the layers.
         per_kind = []
         for kind in self.kinds_used:
             sin, cos = rope_angles(positions, self.rope[kind].inv_freq(self.head_dim))
             window = self.sliding_window if kind == "local" else None
-            per_kind.append((sin, cos, causal_mask(length, window)))
+            per_kind.append((sin, cos, window))
         kind_index = [self.kinds_used.index(k) for k in self.layer_kinds]
-        x = self._run_blocks(x, per_kind, kind_index)
-        x = self.final_norm(x)
+        kernel, _ = self.attention_kernel(dtype)
+        x = self._run_blocks(x, per_kind, kind_index, kernel, segment_ids)
+        return self.final_norm(x)
+
+    def output_weight(self) -> tuple[jax.Array, str]:
+        """The output projection and its layout: the embedding [V, D] ("VD") when tied, else
+        lm_head [D, V] ("DV"); in the compute dtype of the parameters."""
         if self.lm_head is None:
-            logits = jnp.einsum("BTD,VD->BTV", x, embed)
-        else:
-            logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(dtype))
+            return self.embed[...], "VD"
+        return self.lm_head[...].astype(self.embed[...].dtype), "DV"
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Final-normed hidden states [B, T, D] → logits [B, T, V]."""
+        weight, layout = self.output_weight()
+        logits = jnp.einsum(f"BTD,{layout}->BTV", x, weight)
         return constrain(logits, ("batch", "length", "vocab"), self.rules)
 
-    def _run_blocks(self, x: jax.Array, per_kind: list, kind_index: list[int]) -> jax.Array:
+    def _run_blocks(
+        self,
+        x: jax.Array,
+        per_kind: list,
+        kind_index: list[int],
+        kernel: AttentionKernel,
+        segment_ids: jax.Array | None,
+    ) -> jax.Array:
         policy = REMAT_POLICIES[self.remat]
+
+        def run(block: Block, x: jax.Array, kind: int) -> jax.Array:
+            sin, cos, window = per_kind[kind]
+            return block(x, sin, cos, kernel=kernel, window=window, segment_ids=segment_ids)
+
         if not self.scan_layers:
             if self.remat == "none":
                 for block, kind in zip(self.blocks, kind_index, strict=True):
-                    x = block(x, *per_kind[kind])
+                    x = run(block, x, kind)
                 return x
-            apply = nnx.remat(lambda block, x, *ctx: block(x, *ctx), policy=policy)
+            # One remat wrapper per layer kind: the window is static, the arrays are arguments.
+            apply = [
+                nnx.remat(
+                    lambda block, x, sin, cos, segment_ids, window=window: block(
+                        x, sin, cos, kernel=kernel, window=window, segment_ids=segment_ids
+                    ),
+                    policy=policy,
+                )
+                for _, _, window in per_kind
+            ]
             for block, kind in zip(self.blocks, kind_index, strict=True):
-                x = apply(block, x, *per_kind[kind])
+                sin, cos, _ = per_kind[kind]
+                x = apply[kind](block, x, sin, cos, segment_ids)
             return x
 
         graphdef, stacked = nnx.split(self.blocks)
-        tables = jax.tree.map(lambda *xs: jnp.stack(xs), *per_kind)  # leading [kinds] axis
 
         def layer(x: jax.Array, params_and_kind) -> tuple[jax.Array, None]:
             params, kind = params_and_kind
-            sin, cos, mask = (t[kind] for t in tables)
-            return nnx.merge(graphdef, params)(x, sin, cos, mask), None
+            block = lambda k: lambda x: run(nnx.merge(graphdef, params), x, k)  # noqa: E731
+            if len(per_kind) == 1:
+                return block(0)(x), None
+            # Each kind's window and RoPE are static inside its branch (the kernels slice
+            # by the window); only the branch of this layer's kind runs.
+            return jax.lax.switch(kind, [block(k) for k in range(len(per_kind))], x), None
 
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)

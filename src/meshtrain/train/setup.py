@@ -210,7 +210,9 @@ def inspect_compiled(
 def throughput_meter(setup: Setup) -> ThroughputMeter:
     """Tokens/s, TFLOP/s and MFU against the devices' peak (logged once, with its source)."""
     devices = list(setup.mesh.devices.flat)
-    peak, source = peak_flops_per_device(devices, setup.cfg.training.mixed_precision)
+    peak, source = peak_flops_per_device(
+        devices, setup.cfg.training.mixed_precision, hosts=process_hosts()
+    )
     if peak is None:
         log.info("MFU: %s", source)
     else:

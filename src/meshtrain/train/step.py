@@ -2,11 +2,15 @@
 
 Batches are int32 [accum, micro_global, seq_len + 1]: inputs are tokens[..., :-1] and targets
 tokens[..., 1:]. The loss is the mean over all target tokens of the update that are not padding,
-so accumulating 4 micro-batches of 2 equals one micro-batch of 8.
+so accumulating 4 micro-batches of 2 equals one micro-batch of 8. With one micro-batch there is
+no loop. The loss fuses the model's output projection with the cross-entropy
+(`output_cross_entropy`): no [B, T, V] log-probabilities, nor logits kept for the backward pass.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -16,10 +20,139 @@ import optax
 
 from meshtrain.config.schema import MixedPrecision
 from meshtrain.models.abstract import AbstractModel, merge_model
+from meshtrain.models.attention import select_attention
+from meshtrain.parallel.rules import constrain, mesh_axes_for
 from meshtrain.train.guard import guard_update
 from meshtrain.train.state import TrainState
 
+log = logging.getLogger(__name__)
+
 COMPUTE_DTYPES: dict[MixedPrecision, jnp.dtype] = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+# Tokens per device in one chunk of the fused output projection + cross-entropy: the fp32
+# logits of a chunk are [rows, V] (W1, V=32000: 64 MB), never those of the whole batch.
+LOSS_CHUNK_ROWS = 512
+
+
+def _batch_shards(batch: int, rules: Any) -> int:
+    """Devices the batch is split over in the current mesh (1 outside a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    shards = math.prod(mesh.shape[a] for a in mesh_axes_for("batch", rules) if a in mesh.shape)
+    return shards if batch % shards == 0 else 1
+
+
+def output_cross_entropy(
+    x: jax.Array,
+    weight: jax.Array,
+    layout: str,
+    targets: jax.Array,
+    mask: jax.Array,
+    *,
+    rules: Any,
+    chunk_rows: int | None = None,
+) -> jax.Array:
+    """Summed cross-entropy of the output projection, fused: x [B, T, D] (final-normed hidden
+    states), weight [V, D] (layout "VD", tied) or [D, V] ("DV"), targets int32 [B, T], mask [B, T]
+    (1: counted) → fp32 []. Equals -sum(mask · log_softmax(x · weight)[targets]) in fp32.
+
+    The sequence is cut into chunks of about `chunk_rows` (default LOSS_CHUNK_ROWS) tokens per
+    device. For each chunk the
+    logits are computed in the compute dtype, then in fp32 their log-sum-exp, the target's logit
+    and, when differentiated, the gradient softmax - onehot, which goes straight into the
+    chunk's dx and into dW. No [B, T, V] array is kept for the backward pass (only dx and dW
+    are), and no log-probabilities are materialised. dW is summed over the chunks per batch
+    shard ([shards, D, V], no collective inside the loop); the one reduction over the batch
+    shards follows the loop, as in the unfused backward pass.
+    """
+    batch, length, _ = x.shape
+    shards = _batch_shards(batch, rules)
+    chunk_rows = LOSS_CHUNK_ROWS if chunk_rows is None else chunk_rows
+    per_chunk = max(1, chunk_rows // max(1, batch // shards))
+    num_chunks = -(-length // per_chunk)
+    chunk = -(-length // num_chunks)
+    padded = num_chunks * chunk
+    weight_axes = ("vocab", "embed") if layout == "VD" else ("embed", "vocab")
+    gathered_axes = ("vocab", None) if layout == "VD" else (None, "vocab")
+    partial_spec = "SVD" if layout == "VD" else "SDV"
+    partial_axes = ("batch", "vocab", None) if layout == "VD" else ("batch", None, "vocab")
+    vocab = weight.shape[0 if layout == "VD" else 1]
+    mask = mask.astype(jnp.float32)
+
+    def split(a: jax.Array) -> jax.Array:  # [B, T, ...] → [chunks, B, chunk, ...]
+        if padded != length:
+            pad = [(0, 0), (0, padded - length)] + [(0, 0)] * (a.ndim - 2)
+            a = jnp.pad(a, pad)  # padded targets count 0: no loss, no gradient
+        return jnp.moveaxis(a.reshape(batch, num_chunks, chunk, *a.shape[2:]), 1, 0)
+
+    def chunk_loss(weight, xc, tc, mc, grads: bool):
+        logits = jnp.einsum(f"BTD,{layout}->BTV", xc, weight)
+        logits = constrain(logits, ("batch", "length", "vocab"), rules).astype(jnp.float32)
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        # log-sum-exp [B, c, 1]; exp(logits - top) is fused into the sum, never stored.
+        lse = top + jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
+        # A gather reads B·c logits (an iota == target select would write all B·c·V).
+        target_logit = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+        loss = jnp.sum((lse[..., 0] - target_logit) * mc, axis=-1)  # [B]: summed at the end
+        if not grads:
+            return loss, None, None
+        # d loss / d logits = softmax - onehot, in one elementwise pass over the logits.
+        onehot = jnp.arange(vocab, dtype=tc.dtype) == tc[..., None]  # [B, c, V]
+        dlogits = ((jnp.exp(logits - lse) - onehot) * mc[..., None]).astype(weight.dtype)
+        dx = jnp.einsum(f"BTV,{layout}->BTD", dlogits, weight)
+        dx = constrain(dx, ("batch", "length", None), rules)
+        rows = (shards, batch // shards, chunk)
+        dweight = jnp.einsum(
+            f"SBTD,SBTV->{partial_spec}",
+            xc.reshape(*rows, xc.shape[-1]),
+            dlogits.reshape(*rows, vocab),
+            preferred_element_type=jnp.float32,
+        )
+        return loss, dx, constrain(dweight, partial_axes, rules)
+
+    def run(x, weight, targets, mask, grads: bool):
+        # Gathered over fsdp once, before the chunks (each would otherwise gather it again).
+        weight = constrain(weight, gathered_axes, rules)
+        xs, ts, ms = split(x), split(targets), split(mask)
+        # The first chunk starts the sums (no zero-filled [shards, D, V] buffer); a scan runs
+        # the others.
+        loss, dx, dweight = chunk_loss(weight, xs[0], ts[0], ms[0], grads)
+        dxs = None if dx is None else dx[None]
+        if num_chunks > 1:
+
+            def body(carry, inputs):
+                loss_sum, dweight_sum = carry
+                loss, dx, dweight = chunk_loss(weight, *inputs, grads)
+                if grads:
+                    dweight_sum = dweight_sum + dweight
+                return (loss_sum + loss, dweight_sum), dx
+
+            (loss, dweight), rest = jax.lax.scan(body, (loss, dweight), (xs[1:], ts[1:], ms[1:]))
+            if grads:
+                dxs = jnp.concatenate([dxs, rest])
+        loss = jnp.sum(loss)
+        if not grads:
+            return loss, None
+        dx = jnp.moveaxis(dxs, 0, 1).reshape(batch, padded, -1)[:, :length]
+        dx = constrain(dx, ("batch", "length", None), rules)
+        dweight = constrain(jnp.sum(dweight, axis=0).astype(weight.dtype), weight_axes, rules)
+        return loss, (dx, dweight)
+
+    @jax.custom_vjp
+    def fused(x, weight, targets, mask):
+        return run(x, weight, targets, mask, grads=False)[0]
+
+    def fused_fwd(x, weight, targets, mask):
+        return run(x, weight, targets, mask, grads=True)
+
+    def fused_bwd(grads, g):
+        dx, dweight = grads
+        return (g * dx).astype(dx.dtype), (g * dweight).astype(dweight.dtype), None, None
+
+    fused.defvjp(fused_fwd, fused_bwd)
+    return fused(x, weight, targets, mask)
 
 
 def token_loss_sum(
@@ -29,11 +162,21 @@ def token_loss_sum(
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [B, T] each
     # fp32 master weights; the matmuls run in the compute dtype.
     compute_params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-    logits = merge_model(model, compute_params)(inputs).astype(jnp.float32)  # [B, T, V]
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    target_log_probs = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    net = merge_model(model, compute_params)
     mask = (targets != pad_id).astype(jnp.float32)  # [B, T]
-    return -jnp.sum(target_log_probs * mask), jnp.sum(mask)
+    weight, layout = net.output_weight()
+    loss = output_cross_entropy(net.hidden(inputs), weight, layout, targets, mask, rules=net.rules)
+    return loss, jnp.sum(mask)
+
+
+def log_attention(model: AbstractModel, compute_dtype: jnp.dtype) -> None:
+    """The one line that says which attention kernel the step runs, and why."""
+    if model.config is None:
+        return
+    kernel, why = select_attention(
+        model.config.attention, dtype=compute_dtype, head_dim=model.config.head_dim
+    )
+    log.info("attention: %s (%s)", kernel, why)
 
 
 def make_train_step(
@@ -53,6 +196,7 @@ def make_train_step(
     finite; either way the first such step is recorded in `state.nonfinite` (see train.guard).
     """
     compute_dtype = COMPUTE_DTYPES[mixed_precision]
+    log_attention(model, compute_dtype)
     grad_fn = jax.value_and_grad(
         lambda params, tokens: token_loss_sum(
             model, params, tokens, pad_id=pad_id, compute_dtype=compute_dtype
@@ -68,9 +212,13 @@ def make_train_step(
             grad_sum = jax.lax.with_sharding_constraint(grad_sum, state_shardings.params)
             return (grad_sum, loss_sum + loss, count + tokens), None
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-        (grad_sum, loss_sum, count), _ = jax.lax.scan(accumulate, init, batch)
+        if batch.shape[0] == 1:  # one micro-batch: no loop, no zero-filled gradient sum
+            (loss_sum, count), grad_sum = grad_fn(state.params, batch[0])
+            grad_sum = jax.lax.with_sharding_constraint(grad_sum, state_shardings.params)
+        else:
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+            (grad_sum, loss_sum, count), _ = jax.lax.scan(accumulate, init, batch)
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grad_sum)
         grad_norm = optax.tree.norm(grads)

@@ -1,0 +1,108 @@
+"""The real command line: one-line errors with exit code 2, --cfg job, --help, multirun."""
+
+import json
+import re
+
+import pytest
+from helpers.process import assert_one_line_error, run_training, subprocess_env
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            "model.mesh_shape=[[3,1],[fsdp,tp]]",
+            "model.mesh_shape [[3,1],[fsdp,tp]] uses 3 devices but 8 are visible; use [[8,1],[fsdp,tp]] or [[4,2],[fsdp,tp]]",
+        ),
+        (
+            'model.mesh_shape=[[4,2],["data","tp"]]',
+            "unknown axis 'data'; known axes are dp, fsdp, tp",
+        ),
+        ("model.mesh_shape=[[4,2,1],[fsdp,tp]]", "has 3 sizes but 2 axis names"),
+        (
+            "model.mesh_shape=[[8,1],[tp,fsdp]]",
+            "tp=8 in model.mesh_shape does not divide model.num_kv_heads=4; use tp in {1, 2, 4}",
+        ),
+        (
+            "model.mesh_shape=[[8,1],[fsdp,tp]] training.global_batch_size=12",
+            "training.global_batch_size=12 is not divisible by the batch shards (dp×fsdp=8) × "
+            "training.gradient_accumulation_steps=1 = 8; use a multiple of 8, e.g. 8",
+        ),
+        ("training.stepz=3", "unknown config key 'training.stepz'"),
+        ("training.steps=many", "bad value for 'training.steps'"),
+        (
+            "training.lr_schedule=linear",
+            "training.lr_schedule='linear' is not supported; use one of: cosine, constant",
+        ),
+        (
+            "model.mesh_shape=[[8,1],[fsdp,tp]] data.source=web",
+            "data.source='web' is not supported; use text_files or synthetic",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(override, expected, tmp_path):
+    overrides = override.split(" ")
+    if "num_kv_heads=4" in expected:
+        overrides.append("model.num_kv_heads=4")
+    result = run_training(*overrides, f"hydra.run.dir={tmp_path}", timeout=120)
+    assert_one_line_error(result, expected)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_cfg_job_prints_the_composed_config_without_training():
+    result = run_training("--cfg", "job", "model.mesh_shape=[[4,2],[fsdp,tp]]", "training.steps=7")
+    assert result.returncode == 0, result.stderr
+    assert "steps: 7" in result.stdout
+    assert "- - 4\n    - 2\n  - - fsdp\n    - tp" in result.stdout
+
+
+def test_help_lists_the_config_groups():
+    result = run_training("--help")
+    assert result.returncode == 0, result.stderr
+    for group in (
+        "data: stdlib, synthetic",
+        "experiment: tiny_fsdp, tiny_hybrid",
+        "model: gemma3_12b, gemma3_1b, gemma3_270m, gemma3_27b, gemma3_4b, llama3_1b, "
+        "llama3_3b, llama3_8b, qwen3_0_6b, qwen3_1_7b, qwen3_4b, qwen3_8b, tiny",
+        "training: default",
+    ):
+        assert group in result.stdout
+
+
+def test_train_from_the_command_line_with_a_quoted_mesh(tmp_path):
+    env = subprocess_env(8)
+    del env["JAX_PLATFORMS"]  # as a user runs it: JAX probes every backend it knows
+    result = run_training(
+        'model.mesh_shape=[[4,2],["fsdp","tp"]]',
+        "training.steps=3",
+        "training.log_every=1",
+        "training.eval_every=0",
+        f"hydra.run.dir={tmp_path}",
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    # The console shows meshtrain's lines only (no JAX INFO lines about backends it lacks).
+    for line in result.stdout.splitlines():
+        assert re.fullmatch(r"\d\d:\d\d:\d\d (INFO|WARNING) meshtrain\.\S+: .*", line), line
+    assert "Unable to initialize backend" not in result.stderr
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert (tmp_path / ".hydra" / "config.yaml").exists()
+    assert "step 3/3" in (tmp_path / "train.log").read_text()
+
+
+def test_multirun_sweep(tmp_path):
+    result = run_training(
+        "-m",
+        "training.seed=0,1",
+        "training.steps=2",
+        "training.eval_every=0",
+        "data=synthetic",
+        f"hydra.sweep.dir={tmp_path}",
+        devices=1,
+    )
+    assert result.returncode == 0, result.stderr
+    first = [json.loads(x) for x in (tmp_path / "0" / "metrics.jsonl").read_text().splitlines()]
+    second = [json.loads(x) for x in (tmp_path / "1" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in first] == [x["step"] for x in second] == [1, 2]
+    assert first[0]["loss"] != second[0]["loss"]  # different seeds, different init

@@ -1,0 +1,87 @@
+"""configs/model/*.yaml are the published models exactly: each resolved config (the YAML over
+the schema's defaults) agrees field by field with the published config.json (kept in
+tests/hf_configs/), and builds as many parameters as transformers' own model built from that
+config.json (on the meta device: no memory) and as the table in docs/models.md says."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+from helpers.config import CONFIG_DIR, HF_CONFIGS, REPO, compose_config
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from meshtrain.config.validate import check_against_mesh, check_config
+from meshtrain.errors import ConfigError
+from meshtrain.hf.config_json import architecture_from_hf, check_matches
+from meshtrain.models.transformer import parameter_count
+from meshtrain.parallel.mesh import parse_mesh_shape
+
+NAMES = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml") if p.stem != "tiny")
+PUBLISHED = HF_CONFIGS
+
+
+def _published(name: str) -> dict:
+    return json.loads((PUBLISHED / f"{name}.json").read_text())
+
+
+def test_every_family_config_has_its_published_config_json():
+    assert len(NAMES) == 12
+    assert {p.stem for p in PUBLISHED.glob("*.json")} == set(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_config_is_the_published_config_json(name):
+    cfg = compose_config(f"model={name}")
+    check_config(cfg)
+    hf = _published(name)
+    check_matches(cfg.model, hf, f"{name}.json")
+    # Reading the published file gives back exactly what the YAML says.
+    architecture = architecture_from_hf(hf)
+    assert architecture == {key: getattr(cfg.model, key) for key in architecture}
+
+
+def _documented_counts() -> dict[str, int]:
+    """`model=` name → the parameter count in docs/models.md's table."""
+    rows = re.findall(
+        r"^\| `model=(\w+)` .*\| ([\d,]+) \|$", (REPO / "docs/models.md").read_text(), re.M
+    )
+    return {name: int(count.replace(",", "")) for name, count in rows}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_parameter_count_equals_transformers_and_the_docs(name):
+    cfg = compose_config(f"model={name}").model
+    hf_config = AutoConfig.for_model(**_published(name))
+    hf_config = getattr(hf_config, "text_config", hf_config)  # Gemma 3 4B-27B: the language model
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(hf_config)
+    theirs = sum(p.numel() for p in hf_model.parameters())  # tied weights count once
+    assert parameter_count(cfg) == theirs == _documented_counts()[name]
+
+
+def test_a_checkpoint_of_another_model_names_the_first_differing_field():
+    cfg = compose_config("model=gemma3_1b")
+    with pytest.raises(ConfigError) as err:
+        check_matches(cfg.model, _published("gemma3_270m"), "gemma-3-270m/config.json")
+    assert str(err.value) == (
+        "model.d_model=1152 does not match hidden_size in gemma-3-270m/config.json "
+        "(model.d_model=640); choose the model config of this checkpoint or set model.d_model=640"
+    )
+    scaled = dataclasses.replace(compose_config("model=gemma3_4b").model, rope_scaling="none")
+    with pytest.raises(ConfigError, match=r"^model\.rope_scaling=none does not match "):
+        check_matches(scaled, _published("gemma3_4b"), "config.json")
+
+
+def test_tp_must_divide_the_key_value_heads_of_gemma3_1b():
+    cfg = compose_config("model=gemma3_1b")
+    with pytest.raises(ConfigError) as err:
+        check_against_mesh(cfg, parse_mesh_shape([[4, 2], ["fsdp", "tp"]], 8))
+    assert str(err.value) == (
+        "tp=2 in model.mesh_shape does not divide model.num_kv_heads=1; use tp in {1} "
+        "(divisors of model.num_heads=4, model.num_kv_heads=1, model.mlp_dim=6912, "
+        "model.vocab_size=262144)"
+    )

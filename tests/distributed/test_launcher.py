@@ -1,0 +1,294 @@
+"""`python -m meshtrain.launch`: environment per process, [rank N] prefixes, fail-fast, and
+2 processes × 4 devices giving the losses of 1 process × 8 devices on every mesh."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers.paths import REPO
+from helpers.process import launcher, run_launcher, subprocess_env
+from helpers.runs import SMALL_RUN, losses
+
+from meshtrain.checkpoint import committed_steps, read_meta
+from meshtrain.distributed.launcher import NodeRanks, node_ranks, process_env, shell_exit_code
+from meshtrain.errors import ConfigError
+
+MESHES = ("[[8,1],[fsdp,tp]]", "[[4,2],[fsdp,tp]]", "[[2,2,2],[dp,fsdp,tp]]")
+
+
+def test_node_ranks_alone_and_on_several_machines():
+    alone = node_ranks(4, {})
+    assert (alone.master_addr, alone.first_rank, alone.world_size) == ("127.0.0.1", 0, 4)
+    # The design docs' second machine: RANK is its first process's rank.
+    second = {"MASTER_ADDR": "192.168.1.10", "MASTER_PORT": "29500", "RANK": "4", "WORLD_SIZE": "8"}
+    assert node_ranks(4, second) == NodeRanks("192.168.1.10", 29500, 4, 8)
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        (
+            {"MASTER_ADDR": "h", "MASTER_PORT": "1", "WORLD_SIZE": "8", "RANK": "6"},
+            "RANK=6 + --nprocs 4 is more than WORLD_SIZE=8: this machine would run ranks 6..9",
+        ),
+        (
+            {"MASTER_ADDR": "h", "MASTER_PORT": "1", "WORLD_SIZE": "8"},
+            "RANK is not set but WORLD_SIZE=8 is more than --nprocs 4",
+        ),
+        (
+            {"MASTER_ADDR": "h", "RANK": "4"},
+            "MASTER_ADDR, RANK set but MASTER_PORT, WORLD_SIZE not",
+        ),
+        ({"MASTER_ADDR": "h", "MASTER_PORT": "x", "WORLD_SIZE": "8"}, "MASTER_PORT='x' is not"),
+    ],
+)
+def test_node_ranks_rejects_inconsistent_values(environ, message):
+    with pytest.raises(ConfigError) as err:
+        node_ranks(4, environ)
+    assert message in str(err.value)
+
+
+def test_process_env_sets_ranks_and_devices():
+    plan = NodeRanks("10.0.0.1", 29500, 4, 8)
+    base = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x"}
+    env = process_env(
+        base, plan, local_rank=1, nprocs=4, devices_per_process=2, platform="cpu", run_id="r"
+    )
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")} == {
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "4",
+    }
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2"
+    assert (env["JAX_PLATFORMS"], env["MESHTRAIN_RUN_ID"]) == ("cpu", "r")
+    gpu = process_env(
+        {}, plan, local_rank=1, nprocs=4, devices_per_process=2, platform="gpu", run_id="r"
+    )
+    assert gpu["JAX_LOCAL_DEVICE_IDS"] == "2,3" and "XLA_FLAGS" not in gpu
+    assert shell_exit_code(-9) == 137 and shell_exit_code(3) == 3
+
+
+SCRIPT = """
+import os, signal, sys, time
+rank = int(os.environ["RANK"])
+print("env", rank, os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"],
+      os.environ["MESHTRAIN_RUN_ID"], os.environ["XLA_FLAGS"], sys.argv[1:], flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+mode = sys.argv[1]
+if mode == "fail" and rank == 1:
+    sys.exit(3)
+if mode == "kill" and rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode != "ok":
+    time.sleep(300)
+"""
+
+
+def run_script(tmp_path: Path, mode: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    return run_launcher(
+        "--nprocs",
+        "3",
+        "--devices-per-process",
+        "2",
+        str(script),
+        mode,
+        "x=1",
+        env={**subprocess_env(8), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        timeout=120,  # a launcher that does not stop the sleeping ranks fails here
+    )
+
+
+def test_launcher_prefixes_lines_and_sets_the_environment(tmp_path):
+    result = run_script(tmp_path, "ok")
+    assert result.returncode == 0, result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if " env " in line)
+    assert len(lines) == 3
+    run_ids = set()
+    for rank, line in enumerate(lines):
+        prefix, _, rest = line.partition(" env ")
+        assert prefix == f"[rank {rank}]"
+        got_rank, local, world, addr, run_id, flags, args = rest.split(" ", 6)
+        assert (got_rank, local, world, addr) == (str(rank), str(rank), "3", "127.0.0.1")
+        assert flags == "--xla_force_host_platform_device_count=2"
+        assert args == "['ok', 'x=1']"
+        run_ids.add(run_id)
+    assert len(run_ids) == 1  # one run directory for all
+    ranked = sorted(line for line in result.stderr.splitlines() if line.startswith("[rank"))
+    assert ranked == [f"[rank {r}] to stderr" for r in range(3)]
+    assert result.stderr.startswith("meshtrain.launch: ranks 0..2 of 3, coordinator 127.0.0.1:")
+
+
+def test_launcher_stops_the_rest_and_returns_the_failing_exit_code(tmp_path):
+    result = run_script(tmp_path, "fail")
+    assert result.returncode == 3
+    # The other ranks' own lines may still be pumped after the launcher's message.
+    said = [line for line in result.stderr.splitlines() if line.startswith("meshtrain.launch:")]
+    assert said[-1] == "meshtrain.launch: rank 1 exited with code 3; stopping ranks 0, 2"
+
+
+def test_launcher_reports_a_killed_process(tmp_path):
+    result = run_script(tmp_path, "kill")
+    assert result.returncode == 137
+    assert "meshtrain.launch: rank 1 was killed by SIGKILL; stopping ranks 0, 2" in result.stderr
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    launch = subprocess.Popen(
+        launcher("--nprocs", "2", str(script), "sleep"),
+        cwd=REPO,
+        env=subprocess_env(8),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as in a terminal
+        # A shell without job control starts background commands with SIGINT ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    started = [launch.stdout.readline() for _ in range(2)]
+    assert all(" env " in line for line in started), started
+    os.killpg(launch.pid, signal.SIGINT)  # what Ctrl-C does: every process of the group
+    _, stderr = launch.communicate(timeout=60)
+    assert launch.returncode == 130
+    assert "meshtrain.launch: SIGINT received; stopping all processes" in stderr
+
+
+def test_launcher_bad_input_is_one_line_and_exit_code_2():
+    env = subprocess_env(8)
+    env.update(MASTER_ADDR="10.0.0.1", MASTER_PORT="29500", WORLD_SIZE="8", RANK="6")
+    result = run_launcher("--nprocs", "4", "run_training.py", env=env, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "meshtrain: error: RANK=6 + --nprocs 4 is more than WORLD_SIZE=8: this machine would run "
+        "ranks 6..9, but ranks stop at 7; RANK is the first rank on this machine and WORLD_SIZE "
+        "the number of processes on all machines"
+    ]
+
+
+def test_two_processes_match_one_process_on_every_mesh(tmp_path):
+    """[[8,1]], [[4,2]] and a dp mesh, swept in one launch (Hydra multirun) so that the
+    processes start once; the 1-process × 8-device reference runs at the same time."""
+    sweep = ("-m", f"model.mesh_shape={','.join(MESHES)}", *SMALL_RUN)
+    multi, single = tmp_path / "multi", tmp_path / "single"
+    multi.mkdir()
+    single.mkdir()
+    entry = str(REPO / "run_training.py")
+    procs = {
+        "multi": subprocess.Popen(
+            launcher("--nprocs", "2", "--devices-per-process", "4", entry, *sweep),
+            cwd=multi,
+            env=subprocess_env(1),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ),
+        "single": subprocess.Popen(
+            [sys.executable, entry, *sweep],
+            cwd=single,
+            env=subprocess_env(8),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ),
+    }
+    outputs = {name: proc.communicate(timeout=900) for name, proc in procs.items()}
+    for name, proc in procs.items():
+        assert proc.returncode == 0, outputs[name][1][-3000:]
+
+    # One sweep directory for both processes: the launcher's MESHTRAIN_RUN_ID, not each
+    # process's own clock.
+    (multi_sweep,) = (multi / "multirun" / "tiny").glob("*/*")
+    (single_sweep,) = (single / "multirun" / "tiny").glob("*/*")
+    for job, mesh in enumerate(MESHES):
+        run_dir = multi_sweep / str(job)
+        got, want = (
+            losses(run_dir / "metrics.jsonl"),
+            losses(single_sweep / str(job) / "metrics.jsonl"),
+        )
+        assert len(got) == 3, mesh
+        # The same global batch and seed: only the order of fp32 sums differs (gloo reductions).
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=mesh)
+        # Process 0 writes the shared files, the plan among them; process 1 only its own log.
+        # Both write the checkpoint, each the shards it holds.
+        names = {path.name for path in run_dir.iterdir()}
+        assert {n for n in names if not n.startswith("events.out.tfevents")} == {
+            ".hydra",
+            "train.log",
+            "metrics.jsonl",
+            "rank1.log",
+            "checkpoints",
+            "plan.json",
+        }
+        assert committed_steps(run_dir / "checkpoints") == [3]
+        assert read_meta(run_dir / "checkpoints" / "3")["data"] == {"step": 3}
+        assert len([n for n in names if n.startswith("events.out.tfevents")]) == 1
+        main_log = (run_dir / "train.log").read_text()
+        rank_log = (run_dir / "rank1.log").read_text()
+        assert "process 1 of 2 joined through the torchrun-style environment" in rank_log
+        assert "on 8 cpu device(s), 2 process(es)" in main_log and "step 3/3" in main_log
+        # Each process reads only its half of every micro-batch of 8 sequences.
+        assert "this process reads rows 0:4 of each micro-batch" in main_log
+        assert "this process reads rows 4:8 of each micro-batch" in rank_log
+
+    stdout, stderr = outputs["multi"]
+    ranked = ("[rank 0] ", "[rank 1] ")
+    assert all(line.startswith(ranked) for line in stdout.splitlines() if line)
+    assert all(line.startswith((*ranked, "meshtrain.launch: ")) for line in stderr.splitlines())
+    steps = [line for line in stdout.splitlines() if "step 3/3" in line]
+    assert len(steps) == 3 and all(line.startswith("[rank 0] ") for line in steps)
+
+
+def test_checkpoints_move_between_two_processes_and_one(tmp_path):
+    """A checkpoint written by 2 processes × 4 devices resumes in 1 process × 8 devices, and the
+    reverse; both continue the losses of an uninterrupted 5-step run (a constant learning rate
+    after warmup, so the 3-step runs follow the same schedule)."""
+    run = (*SMALL_RUN, 'model.mesh_shape=[[4,2],["fsdp","tp"]]', "training.lr_schedule=constant")
+    entry = str(REPO / "run_training.py")
+
+    def start(processes: int, run_dir: Path, steps: int) -> subprocess.Popen:
+        args = (entry, *run, f"training.steps={steps}", f"hydra.run.dir={run_dir}")
+        if processes == 1:
+            command, env = [sys.executable, *args], subprocess_env(8)
+        else:
+            command, env = (
+                launcher("--nprocs", "2", "--devices-per-process", "4", *args),
+                subprocess_env(1),
+            )
+        return subprocess.Popen(
+            command,
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def finish(*procs: subprocess.Popen) -> None:
+        for proc in procs:
+            _, stderr = proc.communicate(timeout=900)
+            assert proc.returncode == 0, stderr[-3000:]
+
+    by_two, by_one, reference = tmp_path / "by_two", tmp_path / "by_one", tmp_path / "reference"
+    finish(start(2, by_two, 3), start(1, by_one, 3), start(1, reference, 5))
+    finish(start(1, by_two, 5), start(2, by_one, 5))  # each resumed by the other topology
+
+    want = losses(reference / "metrics.jsonl")
+    for written_by, run_dir in ((2, by_two), (1, by_one)):
+        log_text = (run_dir / "train.log").read_text()  # both launches, one after the other
+        assert "on 8 cpu device(s), 2 process(es)" in log_text
+        assert "on 8 cpu device(s), 1 process(es)" in log_text
+        assert f"resuming from {run_dir / 'checkpoints' / '3'} at step 3" in log_text
+        got = losses(run_dir / "metrics.jsonl")
+        assert len(got) == 5, (written_by, got)  # steps 1-3, then 4-5 after the resume
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"written by {written_by}")
+        assert committed_steps(run_dir / "checkpoints") == [3, 5]

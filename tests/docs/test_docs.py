@@ -1,0 +1,88 @@
+"""The commands in README.md and docs/parallelism.md work exactly as written.
+
+Every line of a ```bash block that contains `python run_training.py` is run (README lines that
+also `pip install` are only checked for shape), shortened to 3 steps. A command whose bash block
+is followed by a ```text block starting with `meshtrain: error:` is an error example: it must exit
+with code 2 and print that text as the last line of stderr.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from helpers.docs import (
+    DEVICE_FLAG,
+    ENTRY,
+    RUN_OVERRIDES,
+    Command,
+    check_metrics,
+    describe,
+    doc_commands,
+    fenced_blocks,
+    parse,
+    run,
+    run_training_command,
+)
+from helpers.paths import REPO
+
+DOCS = ("docs/parallelism.md", "README.md")
+COMMANDS = [command for doc in DOCS for command in doc_commands(doc)]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: f"{c.doc}:{c.lineno} {c.line}")
+def test_documented_command(command: Command, tmp_path: Path) -> None:
+    env_vars, args = parse(command.line)
+    if "--help" in args or "--cfg" in args:
+        result = run(env_vars, args)
+        assert result.returncode == 0, describe(result)
+        assert "training:" in result.stdout, describe(result)
+        return
+    if "-m" in args or "--multirun" in args:
+        result = run(env_vars, [*args, *RUN_OVERRIDES, f"hydra.sweep.dir={tmp_path}"])
+        assert result.returncode == 0, describe(result)
+        jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and p.name.isdigit())
+        assert len(jobs) >= 2, describe(result)
+        for job in jobs:
+            check_metrics(job / "metrics.jsonl")
+        return
+    result = run_training_command(command, env_vars, args, tmp_path)
+    if result is None:
+        return
+    if "training.dry_run=true" in args:  # plans, trains nothing (docs/planning.md)
+        assert (tmp_path / "plan.json").is_file(), describe(result)
+        assert not (tmp_path / "metrics.jsonl").exists(), describe(result)
+        return
+    check_metrics(tmp_path / "metrics.jsonl")
+
+
+def test_parallelism_doc_examples() -> None:
+    """docs/parallelism.md: every runnable mesh fits in 8 faked devices; two error examples."""
+    commands = doc_commands("docs/parallelism.md")
+    assert len([c for c in commands if c.expected_error]) == 2
+    for command in commands:
+        env_vars, _ = parse(command.line)
+        match = DEVICE_FLAG.search(env_vars.get("XLA_FLAGS", ""))
+        assert match and 1 <= int(match.group(1)) <= 8, command.line
+    lines = {c.line for c in commands}
+    assert any('\'model.mesh_shape=[[4,1],["fsdp","tp"]]\'' in line for line in lines)
+    assert any("model.mesh_shape=[[4,1],[fsdp,tp]]" in line for line in lines)
+    assert any("[[-1," in line for line in lines)
+    assert any("training.global_batch_size=" in line for line in lines)
+
+
+def test_readme_quick_start() -> None:
+    """The README's first section holds exactly two one-line commands: train, and test."""
+    text = (REPO / "README.md").read_text()
+    sections = re.split(r"^## ", text, flags=re.MULTILINE)
+    assert len(sections) > 2
+    first = sections[1]
+    assert first.splitlines()[0].strip() == "Quick start"
+    blocks = [b for b in fenced_blocks(first) if b.lang == "bash"]
+    commands = [line.strip() for b in blocks for line in b.lines if line.strip()]
+    assert len(blocks) == 2 and len(commands) == 2, commands
+    train, test = commands
+    assert "pip install -e ." in train and train.endswith(ENTRY)
+    assert "pip install -e '.[test]'" in test and test.endswith("python -m pytest -q")
+    assert "python -m pytest -q" in (REPO / ".ci" / "run").read_text()

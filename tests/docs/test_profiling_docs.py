@@ -1,0 +1,79 @@
+"""The commands in docs/profiling.md and docs/planning.md work exactly as written.
+
+The same rules as tests/docs/test_docs.py (with the helpers of tests/helpers/docs.py): each `python run_training.py`
+line of a bash block runs, shortened to 3 steps; an error example must exit with code 2 and
+print the documented line. A dry run must write plan.json and train nothing; a profiled run
+must leave a trace; a run with training.profile_communication must write communication.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from helpers.docs import check_metrics, describe, doc_commands, parse, run_training_command
+
+from meshtrain.observe.trace import find_trace
+
+DOCS = ("docs/profiling.md", "docs/planning.md")
+
+
+def is_slow(line: str) -> bool:
+    """Large models with their layers unrolled compile for a minute or more; with
+    model.scan_layers=true (tests/observe/test_memory_plan.py plans Gemma 3 27B so) they take seconds."""
+    large = "model=gemma3_27b" in line or "model=llama3_8b" in line
+    return large and "model.scan_layers=true" not in line
+
+
+PLAN_KEYS = {
+    "params_bytes",
+    "opt_state_bytes",
+    "grad_bytes",
+    "activation_bytes",
+    "collective_bytes_per_step",
+    "flops_per_step",
+}
+COMMANDS = [
+    pytest.param(c, marks=[pytest.mark.slow] if is_slow(c.line) else [], id=f"{c.doc}:{c.lineno}")
+    for doc in DOCS
+    for c in doc_commands(doc)
+]
+
+
+def test_the_docs_hold_commands():
+    lines = [c.values[0].line for c in COMMANDS]
+    assert any("training.profile=true" in line for line in lines)
+    assert any("training.dry_run=true" in line and "plan.fake_devices=" in line for line in lines)
+    assert any(c.values[0].expected_error for c in COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_documented_command(command, tmp_path: Path) -> None:
+    env_vars, args = parse(command.line)
+    result = run_training_command(command, env_vars, args, tmp_path)
+    if result is None:
+        return
+    plan = json.loads((tmp_path / "plan.json").read_text())  # every run writes its plan
+    assert set(plan) >= PLAN_KEYS, plan
+    if "training.dry_run=true" in args:
+        assert not (tmp_path / "metrics.jsonl").exists()
+        fake = [a.split("=")[1] for a in args if a.startswith("plan.fake_devices=")]
+        if fake:  # the CLI made that many devices, whatever XLA_FLAGS says
+            assert f"on {fake[0]} cpu device(s)" in result.stdout, describe(result)
+            assert math.prod(plan["mesh"].values()) == int(fake[0])
+        device = [a.split("=")[1] for a in args if a.startswith("plan.device=")]
+        if device:
+            assert plan["device"] == device[0] and plan["fits"] is not None
+            assert (
+                f"verdict: {'fits' if plan['fits'] else 'does not fit'} on {device[0]}"
+                in result.stdout
+            )
+    else:
+        check_metrics(tmp_path / "metrics.jsonl")
+    if "training.profile=true" in args:
+        assert find_trace(tmp_path / "profile") is not None
+    if "training.profile_communication=true" in args:
+        report = json.loads((tmp_path / "communication.json").read_text())
+        assert report["collectives"], report

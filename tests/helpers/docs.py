@@ -1,0 +1,127 @@
+"""The Markdown docs as tests read them: fenced blocks, the `python run_training.py` commands of
+their bash blocks, and those commands run (shortened to 3 steps) with the documented outcome.
+
+A command whose bash block is followed by a ```text block starting with `meshtrain: error:` is
+an error example: it must exit with code 2 and print that text as the last line of stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from helpers.paths import REPO
+from helpers.process import FAST_COMPILE, run_training, subprocess_env
+
+ENTRY = "python run_training.py"
+ERROR_PREFIX = "meshtrain: error:"
+DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+STEPS = 3
+RUN_OVERRIDES = (
+    f"training.steps={STEPS}",
+    "training.log_every=1",
+    "training.eval_every=0",
+)
+
+
+@dataclass(frozen=True)
+class Block:
+    lang: str
+    lines: tuple[str, ...]
+    lineno: int  # of the first line inside the fence
+
+
+@dataclass(frozen=True)
+class Command:
+    doc: str
+    lineno: int
+    line: str
+    expected_error: str | None  # the documented last stderr line, for error examples
+
+
+def fenced_blocks(text: str) -> list[Block]:
+    blocks, lang, lines, start = [], None, [], 0
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        if lang is None and stripped.startswith("```"):
+            lang, lines, start = stripped[3:].strip(), [], number + 1
+        elif lang is not None and stripped == "```":
+            blocks.append(Block(lang, tuple(lines), start))
+            lang = None
+        elif lang is not None:
+            lines.append(line)
+    assert lang is None, "unclosed code fence"
+    return blocks
+
+
+def doc_commands(doc: str) -> list[Command]:
+    blocks = fenced_blocks((REPO / doc).read_text())
+    commands = []
+    for i, block in enumerate(blocks):
+        if block.lang != "bash":
+            continue
+        after = blocks[i + 1] if i + 1 < len(blocks) else None
+        documented = [ln.strip() for ln in after.lines if ln.strip()] if after else []
+        is_error = (
+            after is not None
+            and after.lang == "text"
+            and len(documented) == 1
+            and documented[0].startswith(ERROR_PREFIX)
+        )
+        for offset, line in enumerate(block.lines):
+            if ENTRY not in line or (doc == "README.md" and "pip install" in line):
+                continue
+            expected = documented[0] if is_error else None
+            commands.append(Command(doc, block.lineno + offset, line.strip(), expected))
+    return commands
+
+
+def parse(line: str) -> tuple[dict[str, str], list[str]]:
+    """`[VAR=value ...] python run_training.py args...` → (env assignments, args)."""
+    assert not line.endswith("\\"), "documented commands must fit on one line"
+    words = shlex.split(line, comments=True)
+    env = {}
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    assert set(env) <= {"XLA_FLAGS"}, f"only XLA_FLAGS may prefix a documented command: {env}"
+    assert words[:2] == ["python", "run_training.py"], f"not a `{ENTRY}` command: {line}"
+    return env, words[2:]
+
+
+def run(env_vars: dict[str, str], args: list[str]) -> subprocess.CompletedProcess[str]:
+    """A documented command: its XLA_FLAGS' device count (else 1 device), the tests' compile flags."""
+    match = DEVICE_FLAG.search(env_vars.get("XLA_FLAGS", ""))
+    env = subprocess_env(int(match.group(1)) if match else 1)
+    if "XLA_FLAGS" in env_vars:  # the documented device count, compiled as every test compiles
+        env["XLA_FLAGS"] = f"{FAST_COMPILE} {env_vars['XLA_FLAGS']}"
+    return run_training(*args, env=env, timeout=600)
+
+
+def check_metrics(path: Path) -> None:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(r["loss"]) for r in records), records
+
+
+def describe(result: subprocess.CompletedProcess[str]) -> str:
+    return f"exit code {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+
+
+def run_training_command(
+    command: Command, env_vars: dict[str, str], args: list[str], run_dir: Path
+) -> subprocess.CompletedProcess[str] | None:
+    """Runs a documented training command (shortened) in `run_dir`; an error example is checked
+    here (exit code 2 and the documented line) and gives None, any other run must succeed."""
+    result = run(env_vars, [*args, *RUN_OVERRIDES, f"hydra.run.dir={run_dir}"])
+    if command.expected_error is not None:
+        assert result.returncode == 2, describe(result)
+        assert result.stderr.strip().splitlines()[-1] == command.expected_error, describe(result)
+        return None
+    assert result.returncode == 0, describe(result)
+    return result

@@ -1,0 +1,77 @@
+"""Child processes as a user starts them: `python run_training.py ...`, `python -m meshtrain.X`,
+`python -m meshtrain.launch ...`, each with its own faked CPU device count.
+
+Imports nothing but the standard library (and helpers.paths): tests/conftest.py reads FAST_COMPILE from here before
+it sets up JAX's environment.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers.paths import REPO
+
+# The tests compile far more than they compute: without XLA's expensive CPU optimisations the
+# compiles take half the time (the losses agree to the digits the docs print). Both sides of
+# every comparison run with the same flags.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def subprocess_env(num_devices: int = 8) -> dict[str, str]:
+    """Environment for a child `python run_training.py`: its own faked device count."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{FAST_COMPILE} --xla_force_host_platform_device_count={num_devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("HYDRA_FULL_ERROR", None)
+    return env
+
+
+def run_python(
+    *args: str | Path,
+    devices: int = 8,
+    env: dict[str, str] | None = None,
+    cwd: Path = REPO,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess[str]:
+    """`python <args>` to its end, output captured; `env` (else subprocess_env(devices))."""
+    return subprocess.run(
+        [sys.executable, *map(str, args)],
+        cwd=cwd,
+        env=subprocess_env(devices) if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def run_training(
+    *args: str,
+    devices: int = 8,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """`python run_training.py <args>` in the repository, as the README runs it."""
+    return run_python("run_training.py", *args, devices=devices, env=env, timeout=timeout)
+
+
+def launcher(*args: str) -> list[str]:
+    """The command line of `python -m meshtrain.launch <args>` (for subprocess.Popen)."""
+    return [sys.executable, "-m", "meshtrain.launch", *args]
+
+
+def run_launcher(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+    """`python -m meshtrain.launch <args>` to its end; keywords as for run_python."""
+    return run_python("-m", "meshtrain.launch", *args, **kwargs)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) -> None:
+    """Exit code 2 and one `meshtrain: error: ...` line holding `expected`, last, no traceback."""
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr
+    assert lines[-1].startswith("meshtrain: error: ")
+    assert expected in lines[-1], lines[-1]
+    assert not any(line.startswith("meshtrain: error") for line in lines[:-1])

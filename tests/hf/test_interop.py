@@ -1,0 +1,305 @@
+"""Hugging Face interop against transformers itself: logits and one training step agree for every
+family; import straight into a sharded mesh; export → from_pretrained round trip; bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from helpers import tiny_hf
+from helpers.config import compose_config
+from helpers.process import run_training
+from helpers.tiny_hf import FAMILIES, SEQ_LEN, VOCAB
+from helpers.tiny_tokenizers import train_bpe
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from meshtrain.data import BatchIterator, build_tokenizer
+from meshtrain.errors import ConfigError
+from meshtrain.hf.load import check_init_from
+from meshtrain.hf.safetensors_io import INDEX_FILE, CheckpointReader
+from meshtrain.hf.save import export_hf
+from meshtrain.hf.tensor_map import hf_tensors
+from meshtrain.inference.load import load_hf
+from meshtrain.models.abstract import merge_model
+from meshtrain.train.initial_weights import load_initial_params
+from meshtrain.train.loop import train
+from meshtrain.train.optimizer import build_optimizer
+from meshtrain.train.setup import prepare
+from meshtrain.train.state import create_train_state, state_shardings
+
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, SEQ_LEN))  # longer than Gemma's window
+# The bar of the issue. The measured difference is ~1e-6 relative: fp32 rounding of the same
+# arithmetic done in a different order (einsum vs matmul, fused softmax).
+LOGIT_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family → (transformers model, its save_pretrained directory). Gemma's is split into
+    several files with a model.safetensors.index.json."""
+    saved = {}
+    for family in FAMILIES:
+        directory = tmp_path_factory.mktemp(family)
+        kwargs = {"max_shard_size": "200KB"} if family == "gemma3" else {}
+        saved[family] = (tiny_hf.save(family, directory, **kwargs), directory)
+    return saved
+
+
+def _config(family, directory, *extra):
+    return compose_config(
+        *tiny_hf.overrides(family, directory),
+        "data=synthetic",
+        f"data.seq_len={SEQ_LEN}",
+        "model.mesh_shape=[[1,1],[fsdp,tp]]",
+        *extra,
+    )
+
+
+def _start(cfg, devices):
+    """The train state as a run starts it (with model.init_from: the checkpoint's weights)."""
+    setup = prepare(cfg, devices)
+    tx = build_optimizer(cfg.training)
+    with jax.set_mesh(setup.mesh):
+        shardings = state_shardings(setup.model, tx, setup.mesh)
+        # No checkpoint.load_params here: no checkpoint directory is read.
+        params = load_initial_params(cfg, setup.model, checkpoint_dir_of_run=Path("unused"))
+        state = create_train_state(cfg.model, tx, shardings, cfg.training.seed, params)
+    return setup, state
+
+
+def _logits(setup, params, tokens=TOKENS):
+    return np.asarray(merge_model(setup.model, params)(jnp.asarray(tokens, jnp.int32)))
+
+
+def _relative_error(ours, theirs):
+    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+
+
+@pytest.fixture(scope="module")
+def trained(checkpoints, tmp_path_factory):
+    """family → the RunResult of one training step from the family's checkpoint (1 device)."""
+    results = {}
+
+    def get(family):
+        if family not in results:
+            _, directory = checkpoints[family]
+            cfg = _config(
+                family,
+                directory,
+                "training.steps=1",
+                "training.warmup_steps=1",
+                "training.eval_every=0",
+                "training.micro_batch_size=4",
+            )
+            run_dir = tmp_path_factory.mktemp(f"run-{family}")
+            results[family] = train(cfg, run_dir, devices=jax.devices()[:1])
+        return results[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(family, checkpoints):
+    hf_model, directory = checkpoints[family]
+    setup, state = _start(_config(family, directory), jax.devices()[:1])
+    theirs = tiny_hf.logits(hf_model, TOKENS)
+    assert _relative_error(_logits(setup, state.params), theirs) <= LOGIT_TOLERANCE
+
+
+def _hf_loss_and_grad_norm(hf_model, result) -> tuple[float, float]:
+    """transformers' loss and gradient norm on the batch of the run's step 1."""
+    batch = next(  # [4, SEQ_LEN + 1], as the run's iterator produced it
+        BatchIterator(
+            result.setup.train_data,
+            global_batch=4,
+            accum_steps=1,
+            rows=slice(0, 4),
+            seed=result.setup.cfg.training.seed,
+        )
+    )[0]
+    tokens = torch.as_tensor(batch, dtype=torch.long)
+    hf_model.zero_grad()
+    loss = hf_model(input_ids=tokens, labels=tokens).loss  # shifts the labels itself
+    loss.backward()
+    grad_norm = math.sqrt(sum(float((p.grad**2).sum()) for p in hf_model.parameters()))
+    return loss.item(), grad_norm
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_training_step_matches_transformers(family, checkpoints, trained):
+    hf_model, _ = checkpoints[family]
+    result = trained(family)
+    loss, grad_norm = _hf_loss_and_grad_norm(hf_model, result)
+    # The loss is a mean of 160 log-probabilities whose logits agree to ~1e-6 relative.
+    np.testing.assert_allclose(result.history[0]["loss"], loss, rtol=1e-5)
+    np.testing.assert_allclose(result.history[0]["grad_norm"], grad_norm, rtol=1e-4)
+
+
+def test_bf16_end_to_end_stays_close_to_transformers_fp32(checkpoints, tmp_path):
+    hf_model, directory = checkpoints["gemma3"]
+    cfg = _config(
+        "gemma3",
+        directory,
+        "training.mixed_precision=bf16",
+        "training.steps=1",
+        "training.warmup_steps=1",
+        "training.eval_every=0",
+        "training.micro_batch_size=4",
+    )
+    result = train(cfg, tmp_path, devices=jax.devices()[:1])
+    loss, _ = _hf_loss_and_grad_norm(hf_model, result)
+    # bf16 matmuls (8-bit mantissa) move a loss of ~6 by about a part in a thousand.
+    np.testing.assert_allclose(result.history[0]["loss"], loss, rtol=1e-2)
+    assert result.history[0]["loss"] != loss
+    assert {a.dtype for a in jax.tree.leaves(result.state.params)} == {np.dtype("float32")}
+    # Inference in bf16: parameters stored in bf16, logits in bf16.
+    model = load_hf(directory, dtype=jnp.bfloat16)
+    logits = model(jnp.asarray(TOKENS, jnp.int32))
+    assert logits.dtype == jnp.bfloat16
+    ours = np.asarray(logits.astype(jnp.float32))
+    assert _relative_error(ours, tiny_hf.logits(hf_model, TOKENS)) < 3e-2
+
+
+def test_scan_layers_and_remat_import_the_same_weights(checkpoints):
+    hf_model, directory = checkpoints["gemma3"]
+    cfg = _config("gemma3", directory, "model.scan_layers=true", "model.remat=full")
+    setup, state = _start(cfg, jax.devices()[:1])
+    assert state.params["blocks"]["attn"]["q"].shape == (7, 64, 4, 16)  # [layers, D, N, H]
+    theirs = tiny_hf.logits(hf_model, TOKENS)
+    assert _relative_error(_logits(setup, state.params), theirs) <= LOGIT_TOLERANCE
+
+
+def _shard_count(array) -> int:
+    mesh = array.sharding.mesh
+    axes = [a for entry in array.sharding.spec if entry for a in np.atleast_1d(entry)]
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def test_import_into_a_sharded_mesh_reads_and_holds_only_each_devices_shards(
+    checkpoints, monkeypatch
+):
+    hf_model, directory = checkpoints["gemma3"]
+    reads = []
+    read = CheckpointReader.read
+
+    def recording_read(self, name, index):
+        block = read(self, name, index)
+        reads.append((name, block.nbytes))
+        return block
+
+    monkeypatch.setattr(CheckpointReader, "read", recording_read)
+    cfg = _config(
+        "gemma3", directory, "model.mesh_shape=[[4,2],[fsdp,tp]]", "training.micro_batch_size=1"
+    )
+    setup, state = _start(cfg, jax.devices())
+    names = {name: path for path, (name, _) in hf_tensors(cfg.model).items()}
+    hf_weights = hf_model.state_dict()
+    for name, path in names.items():
+        array = state.params
+        for key in path:
+            array = array[key]
+        per_device = [shard.data.nbytes for shard in array.addressable_shards]
+        assert len(per_device) == 8
+        assert set(per_device) == {array.nbytes // _shard_count(array)}, name
+        # Every read of the file was one device's block, in the file's dtype (fp32 here).
+        assert {size for n, size in reads if n == name} == {array.nbytes // _shard_count(array)}
+    # The embedding [512, 64] is split 2 ways (tp) by vocab and 4 ways (fsdp) by embed.
+    assert state.params["embed"].addressable_shards[0].data.shape == (256, 16)
+    assert _shard_count(state.params["blocks"][0]["attn"]["q"]) == 8  # [64/4, 4/2, 16]
+    q = np.asarray(state.params["blocks"][5]["attn"]["q"])  # [D, N, H]
+    q_proj = hf_weights["model.layers.5.self_attn.q_proj.weight"].numpy()  # [N*H, D]
+    np.testing.assert_array_equal(q, q_proj.reshape(4, 16, 64).transpose(2, 0, 1))
+    tokens = np.concatenate([TOKENS, TOKENS[:, ::-1]])  # 4 rows: the batch is split 4 ways
+    with jax.set_mesh(setup.mesh):
+        ours = _logits(setup, state.params, tokens)
+    assert _relative_error(ours, tiny_hf.logits(hf_model, tokens)) <= LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_round_trip_through_transformers(family, trained, tmp_path):
+    result = trained(family)
+    tokenizer = train_bpe(tmp_path / "tokenizer", vocab_size=VOCAB)
+    out = export_hf(result.state.params, result.setup.cfg.model, tmp_path / "out", tokenizer)
+    reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    # The trained weights, bit for bit (fp32 export).
+    ours_q = np.asarray(result.state.params["blocks"][1]["attn"]["q"])  # [D, N, H]
+    theirs_q = reloaded.state_dict()["model.layers.1.self_attn.q_proj.weight"].numpy()
+    np.testing.assert_array_equal(theirs_q, ours_q.transpose(1, 2, 0).reshape(64, 64))
+    ours = _logits(result.setup, result.state.params)
+    assert _relative_error(ours, tiny_hf.logits(reloaded, TOKENS)) <= LOGIT_TOLERANCE
+    # The tokenizer travels along and transformers reads the same ids and specials.
+    text = "def function_3(value)"
+    hf_ids = AutoTokenizer.from_pretrained(out)(text, add_special_tokens=False)["input_ids"]
+    assert hf_ids == build_tokenizer(str(tokenizer)).encode(text).tolist()
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 0)
+
+
+def test_export_bf16_in_several_files_with_scan_layers(checkpoints, tmp_path):
+    hf_model, directory = checkpoints["gemma3"]
+    cfg = _config("gemma3", directory, "model.scan_layers=true")
+    _, state = _start(cfg, jax.devices()[:1])
+    out = export_hf(
+        state.params, cfg.model, tmp_path / "out", dtype="bfloat16", max_shard_bytes=100_000
+    )
+    index = json.loads((out / INDEX_FILE).read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    assert reloaded.dtype == torch.bfloat16
+    original = hf_model.state_dict()["model.layers.6.mlp.down_proj.weight"]
+    exported = reloaded.state_dict()["model.layers.6.mlp.down_proj.weight"]
+    assert torch.equal(exported, original.to(torch.bfloat16))  # round to nearest even, as torch
+    theirs = tiny_hf.logits(reloaded.float(), TOKENS)
+    # bf16 weights (8-bit mantissa) move the logits by a few parts in a thousand.
+    assert _relative_error(tiny_hf.logits(hf_model, TOKENS), theirs) < 2e-2
+
+
+def test_export_never_overwrites(checkpoints, tmp_path):
+    _, directory = checkpoints["llama"]
+    cfg = _config("llama", directory)
+    _, state = _start(cfg, jax.devices()[:1])
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="already exists; export into a new directory"):
+        export_hf(state.params, cfg.model, tmp_path / "taken")
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+
+
+def test_config_mismatch_names_the_field_and_both_values(checkpoints):
+    _, directory = checkpoints["llama"]
+    with pytest.raises(ConfigError) as err:
+        check_init_from(_config("llama", directory, "model.num_layers=4").model)
+    assert str(err.value) == (
+        f"model.num_layers=4 does not match num_hidden_layers in {directory}/config.json "
+        "(model.num_layers=3); choose the model config of this checkpoint or set "
+        "model.num_layers=3"
+    )
+
+
+def test_wrong_family_on_the_command_line_is_one_line_and_exit_code_2(checkpoints):
+    _, directory = checkpoints["llama"]
+    result = run_training(
+        "model=gemma3_1b", f"model.init_from=hf:{directory}", devices=1, timeout=300
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"meshtrain: error: model.family=gemma3 does not match model_type in "
+        f"{directory}/config.json (model.family=llama); choose the model config of this "
+        "checkpoint or set model.family=llama"
+    ]
+
+
+def test_init_from_needs_a_checkpoint_directory(tmp_path):
+    with pytest.raises(ConfigError, match=r"is not supported; use hf:/path/to/checkpoint_dir"):
+        check_init_from(compose_config("model.init_from=/models/x").model)
+    with pytest.raises(ConfigError, match="is not a directory"):
+        check_init_from(compose_config(f"model.init_from=hf:{tmp_path}/missing").model)
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf.SPECS["qwen3"][0]))
+    with pytest.raises(ConfigError, match=r"holds no \*\.safetensors files"):
+        check_init_from(compose_config(*tiny_hf.overrides("qwen3", tmp_path)).model)

@@ -1,0 +1,72 @@
+"""load_checkpoint and `python -m meshtrain.generate` on a meshtrain checkpoint: the trained
+parameters, on one device or sharded, and the tokenizer the run was trained with."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from helpers.process import run_python
+from helpers.runs import train_tiny
+
+import meshtrain
+from meshtrain.checkpoint.layout import fingerprints
+from meshtrain.errors import ConfigError
+from meshtrain.inference.load import checkpoint_config, load_checkpoint
+from meshtrain.models.abstract import merge_model
+
+PROMPT = "import "
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """3 steps of the tiny model on [[4,2]] with a checkpoint after each."""
+    run_dir = tmp_path_factory.mktemp("run")
+    return run_dir, train_tiny(
+        run_dir,
+        "model.mesh_shape=[[4,2],[fsdp,tp]]",
+        "training.steps=3",
+        "training.eval_every=0",
+        "checkpoint.every_steps=1",
+    )
+
+
+def _nnx_params(model):
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def test_loads_the_newest_checkpoint_onto_one_device_or_a_mesh(trained):
+    run_dir, result = trained
+    alone = load_checkpoint(run_dir)
+    assert fingerprints(_nnx_params(alone)) == fingerprints(result.state.params)
+    assert {len(leaf.sharding.device_set) for leaf in jax.tree.leaves(_nnx_params(alone))} == {1}
+    step_2 = load_checkpoint(run_dir / "checkpoints" / "2", [[8, 1], ["fsdp", "tp"]])
+    assert fingerprints(_nnx_params(step_2)) != fingerprints(result.state.params)
+    embed = _nnx_params(step_2)["embed"]  # [vocab, embed], embed on fsdp
+    assert embed.addressable_shards[0].data.shape == (embed.shape[0], embed.shape[1] // 8)
+
+    tokens = np.arange(32, dtype=np.int32).reshape(2, 16) + 40  # [B=2, T=16]
+    trained_model = merge_model(result.setup.model, result.state.params)
+    sharded = load_checkpoint(run_dir, [[4, 2], ["fsdp", "tp"]])
+    want = np.asarray(trained_model(tokens))
+    np.testing.assert_array_equal(np.asarray(sharded(tokens)), want)  # the same mesh and arrays
+    # One device sums in another order: fp32 rounding only.
+    np.testing.assert_allclose(np.asarray(alone(tokens)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_config_and_errors(trained, tmp_path):
+    run_dir, _ = trained
+    assert checkpoint_config(run_dir)["data"]["tokenizer"] == "byte"
+    with pytest.raises(ConfigError, match="holds no complete meshtrain checkpoint"):
+        load_checkpoint(tmp_path)
+
+
+def test_generate_command_on_a_run_directory(trained):
+    run_dir, _ = trained
+    result = run_python(
+        "-m", "meshtrain.generate", run_dir, PROMPT, "--max-new-tokens", "8", devices=1
+    )
+    assert result.returncode == 0, result.stderr
+    model, tokenizer = load_checkpoint(run_dir), meshtrain.build_tokenizer("byte")
+    completion = meshtrain.generate(model, tokenizer, PROMPT, max_new_tokens=8)
+    assert result.stdout == PROMPT + completion + "\n"
+    assert completion  # the byte model continues, however badly, after 3 steps

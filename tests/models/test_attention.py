@@ -1,0 +1,190 @@
+"""Attention: every kernel that runs on CPU (xla, chunked) computes what the former 5-D einsum
+did, outputs and gradients, on causal, windowed and multi-document masks with grouped-query
+heads down to a single key/value head; model.attention is chosen, logged and refused as
+documented."""
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers.config import compose_config
+
+from meshtrain.config import ModelConfig
+from meshtrain.config.validate import check_config
+from meshtrain.errors import ConfigError
+from meshtrain.models import attention as attention_module
+from meshtrain.models.attention import cudnn_unsupported, dot_product_attention, select_attention
+from meshtrain.models.transformer import Transformer
+
+
+def einsum_attention(q, k, v, *, scale, window=None, segment_ids=None):
+    """The oracle: the model's attention before the kernels (a 5-D einsum over [B, K, G, T, S]
+    with an fp32 mask and softmax), with segment masking added."""
+    batch, length, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    t, s = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
+    mask = s <= t
+    if window is not None:
+        mask = mask & (s > t - window)
+    mask = mask[None]  # [1, T, S]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k).astype(jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(batch, length, heads, head_dim)
+
+
+def _inputs(heads, kv_heads, length=24, batch=2, head_dim=8, seed=0):
+    rng = np.random.default_rng(seed)
+    shape = lambda h: (batch, length, h, head_dim)  # noqa: E731
+    q, k, v = (
+        jnp.asarray(rng.normal(size=shape(h)), jnp.float32) for h in (heads, kv_heads, kv_heads)
+    )
+    return q, k, v
+
+
+# Three documents in the first row (lengths 7, 12, 5), one in the second.
+SEGMENTS = jnp.asarray([[0] * 7 + [1] * 12 + [2] * 5, [3] * 24], jnp.int32)
+# chunked with blocks of 5 (uneven: 5 blocks of 5 and one of 4) and of 8 queries; a block of
+# at least the sequence is the xla kernel itself.
+KERNELS = [("xla", None), ("chunked", 5), ("chunked", 8)]
+MASKS = {
+    "causal": (None, False),
+    "window": (5, False),
+    "documents": (None, True),
+    "both": (5, True),
+}
+
+
+def _output_and_grads(fn, q, k, v, cotangent):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return out, vjp(cotangent)
+
+
+@pytest.mark.parametrize(("kernel", "block"), KERNELS)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("mask", MASKS)
+def test_kernels_match_the_einsum_oracle(kernel, block, heads, kv_heads, mask):
+    window, segments = MASKS[mask]
+    q, k, v = _inputs(heads, kv_heads)
+    segment_ids = SEGMENTS if segments else None
+    scale = 0.3
+    # A random cotangent, so that every output entry weighs on the gradients.
+    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
+
+    def oracle(q, k, v):
+        return einsum_attention(q, k, v, scale=scale, window=window, segment_ids=segment_ids)
+
+    def ours(q, k, v):
+        return dot_product_attention(
+            q, k, v, kernel=kernel, block=block, scale=scale, window=window, segment_ids=segment_ids
+        )
+
+    expected, expected_grads = _output_and_grads(oracle, q, k, v, cotangent)
+    got, got_grads = jax.jit(lambda *a: _output_and_grads(ours, *a))(q, k, v, cotangent)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    for name, ours_grad, oracle_grad in zip("qkv", got_grads, expected_grads, strict=True):
+        np.testing.assert_allclose(ours_grad, oracle_grad, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_documents_do_not_see_each_other():
+    q, k, v = _inputs(4, 2)
+    out = dot_product_attention(q, k, v, kernel="chunked", block=8, segment_ids=SEGMENTS)
+    # Changing the first document's keys and values leaves the other documents' outputs as
+    # they were, to the bit (their probabilities on it are exactly 0).
+    k2, v2 = k.at[0, :7].add(1.0), v.at[0, :7].add(1.0)
+    changed = dot_product_attention(q, k2, v2, kernel="chunked", block=8, segment_ids=SEGMENTS)
+    np.testing.assert_array_equal(changed[0, 7:], out[0, 7:])
+    assert not np.allclose(changed[0, :7], out[0, :7])
+
+
+def test_auto_picks_chunked_xla_on_cpu_and_says_why():
+    kernel, why = select_attention("auto", dtype=jnp.bfloat16, head_dim=64)
+    assert kernel == "chunked"
+    assert why == "auto: cuDNN needs an NVIDIA GPU, this is cpu"
+    assert select_attention("xla", dtype=jnp.float32, head_dim=64) == ("xla", "model.attention=xla")
+
+
+def test_cudnn_shape_rules():
+    assert cudnn_unsupported(jnp.bfloat16, 64) is None
+    assert cudnn_unsupported(jnp.float16, 128) is None
+    assert "bf16/fp16" in cudnn_unsupported(jnp.float32, 64)
+    assert "head_dim" in cudnn_unsupported(jnp.bfloat16, 256)
+    assert "head_dim" in cudnn_unsupported(jnp.bfloat16, 60)
+
+
+def test_cudnn_on_cpu_is_a_config_error_at_start_up():
+    from meshtrain.train.setup import prepare
+
+    cfg = compose_config("data=synthetic", "model.attention=cudnn")
+    with pytest.raises(ConfigError) as error:
+        prepare(cfg, jax.devices()[:1], with_data=False)
+    assert str(error.value) == "model.attention=cudnn needs an NVIDIA GPU; use auto or xla"
+
+
+def test_unknown_attention_is_a_config_error():
+    cfg = compose_config("model.attention=flash")
+    with pytest.raises(
+        ConfigError, match=r"model.attention='flash' is not supported; use one of: auto, xla, cudnn"
+    ):
+        check_config(cfg)
+
+
+def test_the_step_logs_the_kernel_it_runs(caplog):
+    from meshtrain.train.optimizer import build_optimizer, learning_rate_schedule
+    from meshtrain.train.setup import prepare
+    from meshtrain.train.state import state_shardings
+    from meshtrain.train.step import make_train_step
+
+    cfg = compose_config("data=synthetic")
+    setup = prepare(cfg, jax.devices()[:1], with_data=False)
+    tx = build_optimizer(cfg.training)
+    with caplog.at_level(logging.INFO, logger="meshtrain"):
+        make_train_step(
+            setup.model,
+            tx,
+            learning_rate_schedule(cfg.training),
+            state_shardings=state_shardings(setup.model, tx, setup.mesh),
+            batch_sharding=None,
+            pad_id=0,
+            mixed_precision="fp32",
+        )
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention:")]
+    assert lines == ["attention: chunked (auto: cuDNN needs an NVIDIA GPU, this is cpu)"]
+
+
+CFG = dataclasses.replace(
+    ModelConfig(), num_layers=2, attention_pattern=["local", "global"], sliding_window=6
+)
+
+
+def test_segment_ids_in_the_model():
+    model = Transformer(CFG, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 259, (2, 24)), jnp.int32)
+    np.testing.assert_array_equal(model(tokens, segment_ids=jnp.zeros_like(tokens)), model(tokens))
+    logits = model(tokens, segment_ids=SEGMENTS)
+    changed = model(tokens.at[0, :7].set(5), segment_ids=SEGMENTS)
+    np.testing.assert_array_equal(changed[0, 7:], logits[0, 7:])
+    assert not np.allclose(changed[0, :7], logits[0, :7])
+
+
+def test_the_model_gives_the_same_logits_with_every_kernel(monkeypatch):
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 259, (2, 40)), jnp.int32)
+    xla = Transformer(dataclasses.replace(CFG, attention="xla"), rngs=nnx.Rngs(0))
+    monkeypatch.setattr(attention_module, "MIN_CHUNK_QUERIES", 16)  # blocks of 16, 16 and 8
+    auto = Transformer(CFG, rngs=nnx.Rngs(0))
+    assert auto.attention_kernel(jnp.float32)[0] == "chunked"
+    for segment_ids in (None, jnp.asarray([[0] * 13 + [1] * 27, [2] * 40], jnp.int32)):
+        np.testing.assert_allclose(
+            auto(tokens, segment_ids=segment_ids),
+            xla(tokens, segment_ids=segment_ids),
+            rtol=1e-5,
+            atol=1e-5,
+        )

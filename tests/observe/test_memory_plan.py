@@ -1,0 +1,131 @@
+"""The memory planner: analytic bytes per device, the verdict, the dry run from the command line,
+and a large model planned without the weights ever being in memory."""
+
+import json
+import sys
+
+import jax
+import pytest
+from helpers.config import compose_config
+from helpers.process import run_python
+from helpers.tiny_model import F32, MATRIX_PARAMS, NORM_PARAMS
+
+from meshtrain.accelerators import accelerator_named
+from meshtrain.observe.memory_plan import MemoryPlan
+from meshtrain.train.dry_run import dry_run
+from meshtrain.units import GIB
+
+# AdamW's two step counters (scale_by_adam, scale_by_learning_rate): int32, replicated.
+ADAM_COUNTERS = 2 * 4
+
+
+@pytest.mark.parametrize(
+    ("mesh", "micro", "fsdp", "tp"),
+    # Pure fsdp is checked with the communication report, in tests/observe/test_communication.py.
+    [("[[1,1],[fsdp,tp]]", 8, 1, 1), ("[[4,2],[fsdp,tp]]", 2, 4, 2)],
+)
+def test_param_and_optimizer_bytes_are_analytic(mesh, micro, fsdp, tp, run_dir):
+    cfg = compose_config(f"model.mesh_shape={mesh}", f"training.micro_batch_size={micro}")
+    plan = dry_run(cfg, run_dir, devices=jax.devices()[: fsdp * tp])
+    # Weight matrices are split over fsdp (embed) and tp (heads, mlp, vocab); norms replicated.
+    params = F32 * (MATRIX_PARAMS // (fsdp * tp) + NORM_PARAMS)
+    assert plan.params_bytes == params
+    assert plan.grad_bytes == params
+    assert plan.opt_state_bytes == 2 * params + ADAM_COUNTERS  # Adam's mu and nu
+    written = json.loads((run_dir / "plan.json").read_text())
+    assert written["params_bytes"] == params
+    assert written["opt_state_bytes"] == 2 * params + ADAM_COUNTERS
+    # XLA's own accounting of the step's arguments holds the same state, plus the int32 step
+    # counter, the uint32[2] RNG key, the non-finite record (4 scalars) and the batch of int32
+    # tokens [1, micro × fsdp, 129] split over fsdp.
+    batch = 4 * micro * 129
+    small_state = 4 + 2 * 4 + 4 * 4
+    assert plan.argument_bytes == params + plan.opt_state_bytes + small_state + batch
+    assert plan.activation_bytes > 0
+    assert written["total_bytes"] == plan.total_bytes
+    assert not (run_dir / "metrics.jsonl").exists()  # a dry run trains nothing
+
+
+def plan_with(**changes) -> MemoryPlan:
+    values = dict(
+        mesh={"dp": 1, "fsdp": 8, "tp": 1},
+        micro_batch_size=4,
+        params_bytes=2 * GIB,
+        opt_state_bytes=4 * GIB,
+        grad_bytes=2 * GIB,
+        activation_bytes=10 * GIB,
+        argument_bytes=6 * GIB,
+        output_bytes=6 * GIB,
+        alias_bytes=6 * GIB,
+        collective_bytes_per_step=1e9,
+        flops_per_step=1e15,
+    )
+    return MemoryPlan(**{**values, **changes})
+
+
+def test_verdict_fits():
+    v5e = accelerator_named("v5e")
+    plan = plan_with(device="v5e", capacity_bytes=v5e.memory_gib * GIB * 0.9)
+    assert plan.total_bytes == 16 * GIB
+    assert plan.fits is False  # 16 GiB on a 16 GiB chip with 10% kept free
+    lines = plan.format()
+    assert (
+        "verdict: does not fit on v5e by 1.60 GiB: needs 16.00 GiB of 14.40 GiB usable"
+        in "\n".join(lines)
+    )
+    # Activations are the larger part, so the micro-batch lever comes first.
+    assert lines[-2].startswith("  try: a smaller micro-batch (training.micro_batch_size=2 with")
+    assert lines[-1].startswith(
+        "  try: more fsdp (fsdp=8 → 16 in model.mesh_shape halves the 8.00 GiB"
+    )
+    one = plan_with(micro_batch_size=1, device="v5e", capacity_bytes=GIB).format()
+    assert one[-2] == (
+        "  try: shorter sequences (data.seq_len; the micro-batch is 1 already) or remat "
+        "(model.remat=full with model.scan_layers=true): shrinks the 10.00 GiB of activations "
+        "and temporaries"
+    )
+    remat = plan_with(micro_batch_size=1, remat="full", scan_layers=True, capacity_bytes=GIB)
+    assert "remat" not in remat.format()[-2]  # already on: not suggested again
+    h100 = plan_with(device="h100", capacity_bytes=accelerator_named("h100").memory_gib * GIB * 0.9)
+    assert h100.fits is True
+    assert "verdict: fits on h100: 16.00 GiB of 71.64 GiB usable" in h100.format()[-1]
+    assert plan_with().fits is None and "no memory size known" in plan_with().format()[-1]
+
+
+# docs/planning.md's error example (tests/docs/test_profiling_docs.py) covers an unknown plan.device.
+
+
+def test_a_large_model_plans_without_its_weights_in_memory(tmp_path):
+    """Gemma 3 27B on two nodes of 8 (faked) devices: the real step compiles while the process
+    holds a small fraction of the 108 GB of fp32 weights (this machine has 24 GB)."""
+    command = [
+        sys.executable,
+        "run_training.py",
+        "model=gemma3_27b",
+        'model.mesh_shape=[[8,2],["fsdp","tp"]]',
+        "model.remat=full",
+        "model.scan_layers=true",
+        "training.dry_run=true",
+        "plan.fake_devices=16",
+        "plan.device=h100",
+        "training.micro_batch_size=1",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    # A parent that only runs the child reports the child's peak resident memory.
+    measure = (
+        "import resource, subprocess, sys; "
+        f"code = subprocess.run({command!r}).returncode; "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024); sys.exit(code)"
+    )
+    result = run_python("-c", measure, devices=1, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    peak_rss = int(result.stdout.strip().splitlines()[-1])
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    # 62 layers × (4 norms of d_model=5376 + q and k norms of head_dim=128) + the final norm are
+    # replicated; every matrix is split 16 ways (fsdp over embed, tp over heads, mlp and vocab).
+    num_params, norms = 27_009_346_304, 62 * (4 * 5376 + 2 * 128) + 5376
+    weights = num_params * F32
+    assert plan["params_bytes"] == F32 * ((num_params - norms) // 16 + norms)
+    assert plan["opt_state_bytes"] == 2 * plan["params_bytes"] + ADAM_COUNTERS
+    assert peak_rss < 0.05 * weights, f"peak RSS {peak_rss / GIB:.2f} GiB"
+    assert plan["fits"] is True  # 32.9 GiB of an H100's 71.6 usable, with remat

@@ -1,0 +1,150 @@
+"""End-to-end training in-process: same losses on every mesh, accumulation, the loss falls."""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from helpers.runs import train_tiny
+
+FAST = (
+    "training.steps=5",
+    "training.log_every=1",
+    "training.warmup_steps=2",
+    "training.eval_every=0",
+)
+
+# (mesh_shape, micro_batch_size, devices): every mesh trains on the same global batch of 8.
+MESHES = [
+    ("[[1,1],[fsdp,tp]]", 8, 1),
+    ("[[8,1],[fsdp,tp]]", 1, 8),
+    ("[[4,2],[fsdp,tp]]", 2, 8),
+    ("[[2,4],[fsdp,tp]]", 4, 8),
+    ("[[1,8],[fsdp,tp]]", 8, 8),
+    ("[[-1,2],[fsdp,tp]]", 2, 8),
+    ("[[2,2,2],[dp,fsdp,tp]]", 2, 8),
+]
+
+
+def _losses(result):
+    return np.array([h["loss"] for h in result.history])
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory):
+    mesh_shape, micro, devices = MESHES[0]
+    result = train_tiny(
+        tmp_path_factory.mktemp("ref"),
+        f"model.mesh_shape={mesh_shape}",
+        f"training.micro_batch_size={micro}",
+        *FAST,
+        devices=devices,
+    )
+    return _losses(result)
+
+
+@pytest.mark.parametrize(("mesh_shape", "micro", "devices"), MESHES[1:])
+def test_same_seed_same_losses_on_every_mesh(mesh_shape, micro, devices, reference_losses, run_dir):
+    result = train_tiny(
+        run_dir,
+        f"model.mesh_shape={mesh_shape}",
+        f"training.micro_batch_size={micro}",
+        *FAST,
+        devices=devices,
+    )
+    assert result.setup.global_batch == 8
+    losses = _losses(result)
+    assert len(losses) == 5
+    # Sharding reorders fp32 sums (partial matmuls, cross-device reductions): each reordering
+    # moves a result by ~1e-7 relative, and five Adam steps keep it well under 1e-5.
+    np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
+    assert losses[-1] < losses[0]
+
+
+def test_reference_run_on_one_device(reference_losses):
+    # Untrained, the model is near uniform over 384 ids: loss ≈ ln(384) = 5.95.
+    assert abs(reference_losses[0] - math.log(384)) < 0.1
+    assert reference_losses[-1] < reference_losses[0] - 0.5
+
+
+def _one_step(run_dir, *overrides):
+    return train_tiny(
+        run_dir,
+        "model.mesh_shape=[[4,2],[fsdp,tp]]",
+        "training.steps=1",
+        "training.warmup_steps=1",
+        "training.eval_every=0",
+        *overrides,
+    )
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    # Adam's first update is lr·g/(|g| + eps). With the default eps=1e-8, entries whose gradient
+    # is ~1e-8 turn summation-order noise into update noise of up to lr; eps=1e-3 keeps the
+    # update Lipschitz in g (constant lr/eps = 3), so equal gradients must give equal weights.
+    common = ("training.adam_eps=1e-3",)
+    accumulated = _one_step(
+        tmp_path / "a",
+        "training.micro_batch_size=2",
+        "training.gradient_accumulation_steps=4",
+        *common,
+    )
+    single = _one_step(
+        tmp_path / "b",
+        "training.micro_batch_size=8",
+        "training.gradient_accumulation_steps=1",
+        *common,
+    )
+    assert accumulated.setup.global_batch == single.setup.global_batch == 32
+    np.testing.assert_allclose(accumulated.history[0]["loss"], single.history[0]["loss"], rtol=1e-6)
+    np.testing.assert_allclose(
+        accumulated.history[0]["grad_norm"], single.history[0]["grad_norm"], rtol=1e-5
+    )
+    for a, b in zip(
+        jax.tree.leaves(accumulated.state.params), jax.tree.leaves(single.state.params), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7)
+
+
+def test_global_batch_size_derives_micro_batch(run_dir):
+    result = _one_step(
+        run_dir, "training.global_batch_size=16", "training.gradient_accumulation_steps=2"
+    )
+    assert result.setup.micro_batch_size == 2  # 16 / (fsdp 4 × accumulation 2)
+    assert result.setup.global_batch == 16
+
+
+def test_bf16_matches_fp32_closely(tmp_path):
+    fp32 = _one_step(tmp_path / "a", "training.micro_batch_size=2")
+    bf16 = _one_step(tmp_path / "b", "training.micro_batch_size=2", "training.mixed_precision=bf16")
+    # bf16 has an 8-bit mantissa: the loss of a near-uniform model moves by well under 1%.
+    np.testing.assert_allclose(bf16.history[0]["loss"], fp32.history[0]["loss"], rtol=1e-2)
+    assert bf16.history[0]["loss"] != fp32.history[0]["loss"]
+    # Master weights stay fp32.
+    assert {a.dtype for a in jax.tree.leaves(bf16.state.params)} == {np.dtype("float32")}
+
+
+def test_default_run_loss_falls_and_writes_its_files(run_dir):
+    result = train_tiny(
+        run_dir, "training.steps=60", "training.eval_every=60", "training.eval_batches=2", devices=1
+    )
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 10, 20, 30, 40, 50, 60]
+    for line in lines:
+        assert {
+            "step",
+            "loss",
+            "learning_rate",
+            "grad_norm",
+            "tokens_per_sec",
+            "step_time_s",
+        } <= set(line)
+        assert line["tokens_per_sec"] > 0 and line["step_time_s"] > 0
+    assert (
+        lines[0]["loss"] - lines[-1]["loss"] > 2.0
+    )  # from ≈5.95 towards byte-level English/Python
+    assert lines[-1]["val_loss"] < lines[0]["loss"] - 2.0
+    assert result.history == lines
+    assert "step 60/60" in (run_dir / "train.log").read_text()
+    assert list(run_dir.glob("events.out.tfevents.*"))
