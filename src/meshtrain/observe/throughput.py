@@ -26,7 +26,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import SingleDeviceSharding
+import numpy as np
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from meshtrain.accelerators import accelerator_for_kind
 from meshtrain.config.schema import cache_root
@@ -49,9 +50,14 @@ _memo: dict[str, dict[str, Any]] = {}  # cache key → entry, for this process
 
 
 def _matmul_seconds(device: jax.Device, compute_dtype: str, size: int) -> float:
-    """Best wall time of one [size, size] @ [size, size] matmul in `compute_dtype` on `device`."""
-    sharding = SingleDeviceSharding(device)
-    x = jax.jit(lambda: jnp.ones((size, size), _DTYPES[compute_dtype]), out_shardings=sharding)()
+    """Best wall time of one [size, size] @ [size, size] matmul in `compute_dtype` on `device`.
+    Its own one-device mesh: a run may measure inside the context of its whole mesh."""
+    with jax.set_mesh(Mesh(np.array([device]), ("peak",))):
+        return _best_matmul_seconds(SingleDeviceSharding(device), _DTYPES[compute_dtype], size)
+
+
+def _best_matmul_seconds(sharding: SingleDeviceSharding, dtype: jnp.dtype, size: int) -> float:
+    x = jax.jit(lambda: jnp.ones((size, size), dtype), out_shardings=sharding)()
     matmul = jax.jit(jnp.matmul)
     matmul(x, x).block_until_ready()  # compile and warm up
 
