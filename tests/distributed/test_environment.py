@@ -4,11 +4,13 @@ import pytest
 
 from meshtrain.config import DistributedConfig
 from meshtrain.distributed.environment import (
+    check_fixed_node_count,
     env_process_id,
     first_slurm_host,
     hydra_output_subdir,
     read_torchrun_env,
     resolve_process_spec,
+    torchrun_agent_argv,
 )
 from meshtrain.errors import ConfigError
 
@@ -22,8 +24,8 @@ SLURM = {
 }
 
 
-def spec(environ, **config):
-    return resolve_process_spec(DistributedConfig(**config), environ)
+def spec(environ, agent_argv=(), **config):
+    return resolve_process_spec(DistributedConfig(**config), environ, agent_argv)
 
 
 def test_nothing_set_is_a_single_process():
@@ -145,6 +147,32 @@ def test_first_slurm_host(node_list, first):
             "JAX_COORDINATOR_ADDRESS is set but the number of processes",
         ),
         ({}, {"cluster_detection": "pbs"}, "distributed.cluster_detection='pbs' is not a JAX"),
+        (
+            {**TORCHRUN, "TORCHELASTIC_RUN_ID": "none", "MASTER_PORT": "65535"},
+            {},
+            "MASTER_PORT=65535 under torchrun: meshtrain's coordinator takes MASTER_PORT+1=65536, "
+            "which is not a TCP port; choose a lower --master_port, or set "
+            "distributed.coordinator_port",
+        ),
+        (
+            TORCHRUN,
+            {"coordinator_port": 0},
+            "distributed.coordinator_port=0 is not a TCP port; use one in 1..65535",
+        ),
+        (
+            TORCHRUN,
+            {"coordinator_port": 29600, "coordinator_address": "10.0.0.1:29601"},
+            "distributed.coordinator_port=29600 is the port next to MASTER_ADDR (torchrun), but",
+        ),
+        ({}, {"coordinator_port": 29600}, "set distributed.coordinator_address=host:port alone"),
+        (
+            {**TORCHRUN, "TORCHELASTIC_RUN_ID": "none", "PET_NNODES": "1:4"},
+            {},
+            "torchrun --nnodes=1:4 asks for an elastic number of machines, which meshtrain cannot "
+            "follow (the mesh and each process's share of the batch are fixed at start-up); give "
+            "a fixed count, e.g. --nnodes=4 (with --max-restarts, a restarted group resumes from "
+            "the newest checkpoint)",
+        ),
     ],
 )
 def test_inconsistent_values_are_one_clear_error(environ, config, message):
@@ -168,3 +196,55 @@ def test_only_process_0_writes_the_hydra_subdir():
     assert env_process_id(None, {"RANK": "x"}) == 0  # never raises: start-up reports it
     assert hydra_output_subdir(0) == ".hydra"
     assert hydra_output_subdir(1) is None
+
+
+AGENT = {**TORCHRUN, "TORCHELASTIC_RUN_ID": "none", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+
+
+def test_under_torchrun_the_coordinator_takes_the_port_after_its_store():
+    """torchrun's agent (TORCHELASTIC_RUN_ID) holds MASTER_PORT for its own store."""
+    got = spec(AGENT)
+    assert got.coordinator_address == "10.0.0.1:29501"
+    assert got.coordinator_origin == (
+        "MASTER_PORT+1, since torchrun's agent holds MASTER_PORT=29500 for its own store"
+    )
+    assert got.source == "torchrun agent (MASTER_ADDR, RANK, WORLD_SIZE, LOCAL_RANK)"
+    assert (got.num_processes, got.process_id, got.local_device_ids) == (8, 5, [1])
+    assert spec({**AGENT, "MASTER_ADDR": "fe80::1"}).coordinator_address == "[fe80::1]:29501"
+    # The same variables set by hand or by meshtrain.launch: MASTER_PORT itself is free.
+    assert spec(TORCHRUN).coordinator_address == "10.0.0.1:29500"
+    assert spec(TORCHRUN).coordinator_origin == ""
+
+
+def test_coordinator_port_overrides_the_derived_port():
+    for environ in (AGENT, TORCHRUN):
+        got = spec(environ, coordinator_port=29533)
+        assert got.coordinator_address == "10.0.0.1:29533"
+        assert got.coordinator_origin == "distributed.coordinator_port"
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "refused"),
+    [
+        (["torchrun", "--nnodes=1:4", "--nproc_per_node=2", "run_training.py"], {}, True),
+        (["torchrun", "--nnodes", "2:3", "run_training.py"], {}, True),
+        (["torchrun", "--nnodes=2", "run_training.py"], {"PET_NNODES": "1:4"}, False),
+        (["torchrun", "--nnodes=4:4", "run_training.py"], {}, False),
+        (["torchrun", "--nproc_per_node=4", "run_training.py"], {}, False),
+        ([], {"PET_NNODES": "1:2"}, True),
+    ],
+)
+def test_an_elastic_node_count_is_refused(argv, environ, refused):
+    if not refused:
+        check_fixed_node_count(argv, environ)
+        assert spec({**AGENT, **environ}, agent_argv=argv) is not None
+        return
+    with pytest.raises(ConfigError, match="asks for an elastic number of machines"):
+        spec({**AGENT, **environ}, agent_argv=argv)
+    # The same variables without torchrun's agent: no torchrun command line to check.
+    assert spec({**TORCHRUN, **environ}, agent_argv=argv) is not None
+
+
+def test_the_agent_command_line_is_read_only_under_torchrun():
+    assert torchrun_agent_argv({}) == []
+    assert isinstance(torchrun_agent_argv({"TORCHELASTIC_RUN_ID": "x"}), list)

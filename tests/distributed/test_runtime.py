@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from helpers.process import launcher, run_python, subprocess_env
 from helpers.runs import SMALL_RUN, losses
 
 from meshtrain.distributed.launcher import free_port
-from meshtrain.distributed.runtime import check_devices
+from meshtrain.distributed.runtime import check_devices, first_start_run_dir
 from meshtrain.errors import DistributedError
 
 ENTRY = str(REPO / "run_training.py")
@@ -245,3 +246,23 @@ def test_a_slurm_job_matches_one_process(tmp_path):
         losses(tmp_path / "single" / "metrics.jsonl"),
         rtol=1e-5,
     )
+
+
+def test_a_torchrun_restart_continues_in_the_first_start_s_run_dir(tmp_path):
+    """Process 0 of a group torchrun restarted (--max-restarts) takes the directory of the first
+    start, where the checkpoints are, and removes the one Hydra made for it (only `.hydra/`)."""
+    run_id = f"test-{time.monotonic_ns()}"
+    first, again = tmp_path / "12-00-00", tmp_path / "12-00-30"
+    (first / "checkpoints").mkdir(parents=True)
+    (again / ".hydra").mkdir(parents=True)
+    (again / ".hydra" / "config.yaml").write_text("{}")
+    environ = {"TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_MAX_RESTARTS": "3"}
+    record = Path(tempfile.gettempdir()) / f"meshtrain-torchrun-{os.getppid()}-{run_id}.run_dir"
+    try:
+        assert first_start_run_dir(first, {**environ, "TORCHELASTIC_RESTART_COUNT": "0"}) == first
+        assert first_start_run_dir(again, {**environ, "TORCHELASTIC_RESTART_COUNT": "1"}) == first
+        assert not again.exists() and first.is_dir()
+    finally:
+        record.unlink(missing_ok=True)
+    # Without --max-restarts (or torchrun) nothing is recorded or moved.
+    assert first_start_run_dir(again, {"TORCHELASTIC_RESTART_COUNT": "1"}) == again

@@ -75,3 +75,12 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
     assert lines[-1].startswith("meshtrain: error: ")
     assert expected in lines[-1], lines[-1]
     assert not any(line.startswith("meshtrain: error") for line in lines[:-1])
+
+
+def torchrun(*args: str) -> list[str]:
+    """The command line of the real `torchrun <args>` (torch's, from the test extra), for
+    subprocess.Popen; `python -m torch.distributed.run` where no torchrun script is installed."""
+    script = Path(sys.executable).parent / "torchrun"
+    if script.is_file():
+        return [str(script), *args]
+    return [sys.executable, "-m", "torch.distributed.run", *args]

@@ -252,6 +252,8 @@ class CheckpointConfig:
 class DistributedConfig:
     coordinator_address: str | None = None
     """host:port of process 0's coordinator; null: MASTER_ADDR:MASTER_PORT or the detected cluster."""
+    coordinator_port: int | None = None
+    """Port of process 0's coordinator next to MASTER_ADDR; null: MASTER_PORT, or MASTER_PORT+1 under torchrun (its agent holds MASTER_PORT)."""
     num_processes: int | None = None
     """Processes in the run; null: WORLD_SIZE or the detected cluster; none of them: one process."""
     process_id: int | None = None

@@ -6,14 +6,20 @@ Precedence, key by key: `distributed.*` config (including a forced `cluster_dete
 MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE (torchrun's names; they count processes, and a process
 may own several devices), then a cluster JAX detects itself (Open MPI, SLURM), then JAX's own
 JAX_COORDINATOR_ADDRESS. With none of them the run is a single process.
+
+Under torchrun itself (its agent sets TORCHELASTIC_RUN_ID for its workers) the agent serves its
+rendezvous store on MASTER_PORT, so process 0's coordinator takes the next port, MASTER_PORT + 1
+(or `distributed.coordinator_port`). An elastic node count (`--nnodes=1:4`) is refused: the mesh
+and each process's share of the batch are fixed at start-up.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -31,6 +37,11 @@ SLURM_VARS = (
     "SLURM_LOCALID",
 )
 OMPI_URI = "OMPI_MCA_orte_hnp_uri"
+# Set by torchrun's agent for each process it starts, and by nothing else we know of.
+TORCHRUN_AGENT_VAR = "TORCHELASTIC_RUN_ID"
+# Under torchrun, JAX's coordinator (and the roll call) listen this far above MASTER_PORT, which
+# torchrun's agent holds for its own rendezvous store (TCPStore) for the whole run.
+TORCHRUN_COORDINATOR_OFFSET = 1
 # The part of the run directory after outputs/<experiment.name>/ (configs/config.yaml); the
 # launcher sets it once for all its processes, so that `${now:}` is not resolved per process.
 RUN_ID_VAR = "MESHTRAIN_RUN_ID"
@@ -46,6 +57,7 @@ class TorchrunEnv:
     world_size: int
     local_rank: int | None
     local_world_size: int | None
+    by_torchrun: bool = False  # started by torchrun's agent, which holds MASTER_PORT
 
     @property
     def coordinator_address(self) -> str:
@@ -63,6 +75,7 @@ class ProcessSpec:
     process_id: int | None
     local_device_ids: list[int] | None
     cluster_detection: str | None  # passed to jax.distributed.initialize
+    coordinator_origin: str = ""  # where the coordinator's port comes from, for the start-up line
 
     @property
     def fully_known(self) -> bool:
@@ -114,7 +127,78 @@ def read_torchrun_env(environ: Mapping[str, str]) -> TorchrunEnv | None:
             f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world}; "
             f"LOCAL_RANK numbers this machine's processes 0..{local_world - 1}"
         )
-    return TorchrunEnv(environ["MASTER_ADDR"], port, rank, world_size, local_rank, local_world)
+    return TorchrunEnv(
+        environ["MASTER_ADDR"],
+        port,
+        rank,
+        world_size,
+        local_rank,
+        local_world,
+        by_torchrun=environ.get(TORCHRUN_AGENT_VAR, "") != "",
+    )
+
+
+def torchrun_agent_argv(environ: Mapping[str, str]) -> list[str]:
+    """The command line of torchrun's agent, this process's parent (Linux), when torchrun started
+    this process; [] otherwise. The agent passes its --nnodes to nobody, so it is read there."""
+    if environ.get(TORCHRUN_AGENT_VAR, "") == "":
+        return []
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [arg.decode(errors="replace") for arg in raw.split(b"\0") if arg]
+
+
+def _torchrun_nnodes(agent_argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
+    """torchrun's --nnodes value ("2", "1:4"), from its command line or PET_NNODES; None: unknown."""
+    for i, arg in enumerate(agent_argv):
+        if arg == "--nnodes" and i + 1 < len(agent_argv):
+            return agent_argv[i + 1]
+        if arg.startswith("--nnodes="):
+            return arg.split("=", 1)[1]
+    return environ.get("PET_NNODES") or None
+
+
+def check_fixed_node_count(agent_argv: Sequence[str], environ: Mapping[str, str]) -> None:
+    """Refuses torchrun's elastic node count (--nnodes=MIN:MAX, MIN < MAX): the processes, the
+    mesh and each process's rows of the batch are fixed when the run starts."""
+    nnodes = _torchrun_nnodes(agent_argv, environ)
+    low, sep, high = (nnodes or "").partition(":")
+    if sep and low.strip() != high.strip():
+        raise ConfigError(
+            f"torchrun --nnodes={nnodes} asks for an elastic number of machines, which meshtrain "
+            "cannot follow (the mesh and each process's share of the batch are fixed at "
+            f"start-up); give a fixed count, e.g. --nnodes={high.strip() or low.strip()} "
+            "(with --max-restarts, a restarted group resumes from the newest checkpoint)"
+        )
+
+
+def _torchrun_coordinator(env: TorchrunEnv, port: int | None) -> tuple[str, str]:
+    """(coordinator address, why that port) for torchrun-style variables: MASTER_ADDR with
+    `port` (distributed.coordinator_port), else MASTER_PORT, or MASTER_PORT + 1 under torchrun."""
+    host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+    if port is not None:
+        if not 1 <= port <= 65535:
+            raise ConfigError(
+                f"distributed.coordinator_port={port} is not a TCP port; use one in 1..65535 "
+                "that no other program holds on process 0's machine, or null"
+            )
+        return f"{host}:{port}", "distributed.coordinator_port"
+    if not env.by_torchrun:
+        return env.coordinator_address, ""
+    port = env.master_port + TORCHRUN_COORDINATOR_OFFSET
+    if port > 65535:
+        raise ConfigError(
+            f"MASTER_PORT={env.master_port} under torchrun: meshtrain's coordinator takes "
+            f"MASTER_PORT+{TORCHRUN_COORDINATOR_OFFSET}={port}, which is not a TCP port; choose a "
+            "lower --master_port, or set distributed.coordinator_port"
+        )
+    return (
+        f"{host}:{port}",
+        f"MASTER_PORT+{TORCHRUN_COORDINATOR_OFFSET}, since torchrun's agent holds "
+        f"MASTER_PORT={env.master_port} for its own store",
+    )
 
 
 def _torchrun_device_ids(env: TorchrunEnv, environ: Mapping[str, str]) -> list[int] | None:
@@ -190,8 +274,11 @@ def check_coordinator_address(address: str, key: str) -> None:
         )
 
 
-def resolve_process_spec(cfg: DistributedConfig, environ: Mapping[str, str]) -> ProcessSpec | None:
-    """How this process joins the run; None: a single process."""
+def resolve_process_spec(
+    cfg: DistributedConfig, environ: Mapping[str, str], agent_argv: Sequence[str] = ()
+) -> ProcessSpec | None:
+    """How this process joins the run; None: a single process. `agent_argv`: the command line
+    of torchrun's agent, when torchrun started this process (torchrun_agent_argv)."""
     if cfg.cluster_detection is not None and cfg.cluster_detection not in CLUSTER_METHODS:
         raise ConfigError(
             f"distributed.cluster_detection={cfg.cluster_detection!r} is not a JAX cluster "
@@ -201,12 +288,23 @@ def resolve_process_spec(cfg: DistributedConfig, environ: Mapping[str, str]) -> 
     cluster = None if torchrun or cfg.cluster_detection else detect_cluster(environ)
     local_ids: list[int] | None = None
     detection: str | None = None
+    origin = ""
+    if cfg.coordinator_port is not None and (torchrun is None or cfg.coordinator_address):
+        raise ConfigError(
+            f"distributed.coordinator_port={cfg.coordinator_port} is the port next to MASTER_ADDR "
+            "(torchrun), but MASTER_ADDR is not set or distributed.coordinator_address names a "
+            "port already; set distributed.coordinator_address=host:port alone instead"
+        )
     if cfg.cluster_detection is not None:
         source, address, num, pid = f"{cfg.cluster_detection} cluster", None, None, None
         detection = cfg.cluster_detection
     elif torchrun is not None:
         source = "torchrun-style environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)"
-        address, num, pid = torchrun.coordinator_address, torchrun.world_size, torchrun.rank
+        if torchrun.by_torchrun:
+            check_fixed_node_count(agent_argv, environ)
+            source = "torchrun agent (MASTER_ADDR, RANK, WORLD_SIZE, LOCAL_RANK)"
+        address, origin = _torchrun_coordinator(torchrun, cfg.coordinator_port)
+        num, pid = torchrun.world_size, torchrun.rank
         local_ids = _torchrun_device_ids(torchrun, environ)
     elif cluster is not None:
         method, address, num, pid = cluster
@@ -234,7 +332,7 @@ def resolve_process_spec(cfg: DistributedConfig, environ: Mapping[str, str]) -> 
     # Explicit config wins key by key, e.g. another port than torchrun's own MASTER_PORT.
     if cfg.coordinator_address is not None:
         check_coordinator_address(cfg.coordinator_address, "distributed.coordinator_address")
-        address = cfg.coordinator_address
+        address, origin = cfg.coordinator_address, ""
     num = cfg.num_processes if cfg.num_processes is not None else num
     pid = cfg.process_id if cfg.process_id is not None else pid
     if cfg.local_device_ids is not None:
@@ -255,7 +353,7 @@ def resolve_process_spec(cfg: DistributedConfig, environ: Mapping[str, str]) -> 
         return None
     if cluster is None and None not in (address, num, pid):
         detection = "deactivate"  # everything is known: a SLURM job around us must not override it
-    return ProcessSpec(source, address, num, pid, local_ids, detection)
+    return ProcessSpec(source, address, num, pid, local_ids, detection, origin)
 
 
 def env_process_id(explicit: int | None = None, environ: Mapping[str, str] | None = None) -> int:

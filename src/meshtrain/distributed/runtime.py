@@ -16,9 +16,12 @@ import atexit
 import faulthandler
 import logging
 import os
+import re
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
@@ -29,7 +32,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from meshtrain.config import DistributedConfig
-from meshtrain.distributed.environment import ProcessSpec, env_process_id, resolve_process_spec
+from meshtrain.distributed.environment import (
+    ProcessSpec,
+    env_process_id,
+    resolve_process_spec,
+    torchrun_agent_argv,
+)
 from meshtrain.distributed.rendezvous import SETTLE_S, Roster, roll_call
 from meshtrain.errors import ConfigError, DistributedError, error_line
 from meshtrain.observe.metrics import setup_logging
@@ -118,7 +126,8 @@ def initialize(
     cfg: DistributedConfig, environ: Mapping[str, str] | None = None
 ) -> ProcessSpec | None:
     """Starts jax.distributed for a multi-process run; None (and nothing done) for one process."""
-    spec = resolve_process_spec(cfg, os.environ if environ is None else environ)
+    environ = os.environ if environ is None else environ
+    spec = resolve_process_spec(cfg, environ, torchrun_agent_argv(environ))
     if spec is None or jax.distributed.is_initialized():  # Hydra multirun: joined already
         return spec
     if cfg.timeout_s < 1:
@@ -221,6 +230,26 @@ def agree_on_run_dir(run_dir: Path) -> Path:
     return agreed
 
 
+def first_start_run_dir(run_dir: Path, environ: Mapping[str, str]) -> Path:
+    """On process 0 under torchrun with --max-restarts: the run directory of the group's first
+    start, so that a restarted group (its own clock gave it a new directory) resumes from the
+    newest checkpoint there. The first start records its directory in a file named after
+    torchrun's agent (this process's parent, which outlives the restarts)."""
+    if int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) < 1:
+        return run_dir
+    run_id = re.sub(r"[^A-Za-z0-9_.-]", "_", environ.get("TORCHELASTIC_RUN_ID", ""))
+    record = Path(tempfile.gettempdir()) / f"meshtrain-torchrun-{os.getppid()}-{run_id}.run_dir"
+    own = run_dir.resolve()
+    if int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0 or not record.is_file():
+        with suppress(OSError):
+            record.write_text(str(own))
+        return run_dir
+    first = Path(record.read_text())
+    if first != own and own.is_dir() and not any(p.name != ".hydra" for p in own.iterdir()):
+        shutil.rmtree(own, ignore_errors=True)  # only Hydra's copy of the same config
+    return first
+
+
 def join_run(cfg: DistributedConfig, run_dir: Path) -> Path:
     """Joins the other processes of a multi-process run, if any; returns the run directory to use.
 
@@ -237,17 +266,29 @@ def join_run(cfg: DistributedConfig, run_dir: Path) -> Path:
         devices = jax.devices()
         check_devices(devices)
         _membership.hosts = gather_hosts()
+        if spec.process_id == 0:
+            run_dir = first_start_run_dir(run_dir, os.environ)
         run_dir = agree_on_run_dir(run_dir)
     rank = jax.process_index()
     setup_logging(run_dir, is_main=rank == 0, rank=rank)
+    origin = f": {spec.coordinator_origin}" if spec.coordinator_origin else ""
     log.info(
-        "process %d of %d joined through the %s (coordinator %s); local devices: %s",
+        "process %d of %d joined through the %s (coordinator %s%s); local devices: %s",
         rank,
         jax.process_count(),
         spec.source,
         spec.coordinator_address or "detected by JAX",
+        origin,
         _describe_devices(jax.local_devices()),
     )
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restarts not in ("", "0"):
+        log.info(
+            "torchrun restarted the processes (restart %s of at most %s); continuing in %s",
+            restarts,
+            os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"),
+            run_dir,
+        )
     return run_dir
 
 
