@@ -70,6 +70,20 @@ def test_fsdp_parameter_all_gather_matches_the_parameter_count(fsdp):
     )
 
 
+def test_bf16_weights_are_cast_before_the_fsdp_all_gather(fsdp, fsdp_bf16):
+    """bf16 runs cast each weight on its own shard, so the gather carries bf16: half the bytes.
+    XLA's CPU backend widens bf16 collectives to f32, so there the halving shows in the ideal
+    bytes and the payload dtype (GPU and TPU gather in bf16)."""
+    fp32 = total(fsdp, "ring_bytes_per_step", kinds={"all-gather"})
+    gathers = [
+        c for c in fsdp_bf16["collectives"] if c["kind"] == "all-gather" and c["dtypes"] == ["f32"]
+    ]
+    assert gathers and all(c["payload_dtypes"] == ["bf16"] for c in gathers)
+    ideal = sum(c["ideal_bytes"] * c["count"] for c in gathers)
+    assert ideal == pytest.approx(fp32 / 2, rel=0.01)
+    assert all(c["payload_dtypes"] == c["dtypes"] for c in fsdp["collectives"])
+
+
 @pytest.mark.parametrize("precision", ["fsdp", "fsdp_bf16"])
 def test_fsdp_gradient_reduction_matches_under_the_compiled_collective(precision, request):
     fsdp = request.getfixturevalue(precision)

@@ -117,11 +117,11 @@ def test_the_models_loss_is_the_log_softmax_of_its_logits(tie):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=4e-6)
 
 
-def _sharded_grads(layout, chunk_rows):
+def _sharded_grads(layout, chunk_rows, *, batch=8, length=32, vocab=64):
     """Loss and gradients on a [4, 2] fsdp × tp mesh, and the compiled program's collectives."""
     spec = parse_mesh_shape([[4, 2], ["fsdp", "tp"]], 8)
     mesh = build_mesh(spec, jax.devices()[:8])
-    x, w, targets, mask = _problem(layout, batch=8, length=32, d=16, vocab=64)
+    x, w, targets, mask = _problem(layout, batch=batch, length=length, d=16, vocab=vocab)
     w_spec = P("tp", "fsdp") if layout == "VD" else P("fsdp", "tp")
     with jax.set_mesh(mesh):
         x, targets, mask = (
@@ -162,3 +162,23 @@ def test_sharded_and_chunked_gradients_reduce_once_over_the_batch(layout):
     # Each chunk adds its dW to a per-batch-shard sum: the chunks move no more bytes over fsdp
     # than the one-chunk program (a few bytes of loss sums aside).
     assert chunked_bytes == pytest.approx(whole_bytes, abs=64)
+
+
+@pytest.mark.parametrize("layout", ["DV", "VD"])
+def test_a_vocabulary_larger_than_the_batch_moves_tokens_not_the_weight(layout):
+    """8 × 4 = 32 tokens against 512 vocabulary rows: the loss gathers the tokens and splits
+    the vocabulary over fsdp × tp instead of gathering the weight over fsdp and reducing its
+    gradient. The same loss and gradients, in fewer bytes over fsdp."""
+    shape = {"batch": 8, "length": 4, "vocab": 512}
+    x, w, targets, mask = _problem(layout, **shape, d=16)
+    expected, expected_grads = jax.value_and_grad(log_softmax_loss, argnums=(0, 1))(
+        x, w, targets, mask, layout
+    )
+    loss, grads, fsdp_bytes = _sharded_grads(layout, chunk_rows=64, **shape)
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+    for ours, theirs in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+    # Gathering the weight [512, 16] / tp over fsdp and all-reducing its gradient would move
+    # 3/4 · 16 KiB + 2 · 3/4 · 16 KiB = 36 KiB per device; the tokens [32, 16] are 2 KiB.
+    weight_bytes = 512 * 16 * 4 / 2
+    assert fsdp_bytes < 0.5 * (3 / 4 * weight_bytes * 3)

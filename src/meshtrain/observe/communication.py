@@ -12,7 +12,10 @@ unsharded size), under a ring algorithm (as in NCCL and Horovod, https://arxiv.o
 The ideal equals the ring cost, except for an all-reduce whose every use keeps only this
 device's 1/N slice: a reduce-scatter would do, at half the bytes. XLA's CPU backend lowers the
 FSDP gradient reduce-scatter that way (all-reduce + dynamic-slice); GPU and TPU emit
-reduce-scatter. Collectives inside a while loop (gradient accumulation's lax.scan) count once per
+reduce-scatter. The ideal also counts a payload at its own precision: XLA's CPU backend widens
+bf16 and f16 collectives to f32 (a convert just before them), so a bf16 weight all-gather runs in
+f32 on CPU, while GPU and TPU move it in bf16 (`payload_dtypes` names the narrower type).
+Collectives inside a while loop (gradient accumulation's lax.scan) count once per
 iteration, from the trip count XLA records for the loop.
 """
 
@@ -58,6 +61,7 @@ class Collective:
     ring_bytes: float  # per device, per execution
     ideal_bytes: float
     ideal_kind: str  # the collective an ideal lowering would use
+    payload_dtypes: list[str]  # the operands' dtypes before a backend widened them (see above)
     op_name: str  # where it comes from in the jax program
     trip_count_known: bool = True
 
@@ -82,9 +86,46 @@ def _mesh_axes(groups: np.ndarray, mesh: Mesh) -> tuple[list[str], bool]:
     return varying, groups.shape[1] == span
 
 
+_NARROW_FLOATS = ("bf16", "f16")
+_LAYOUT_ONLY = {"bitcast", "copy", "reshape", "transpose"}
+
+
+def _operands(instruction: Instruction) -> list[str]:
+    return instruction.operands[:1] if "permute" in instruction.opcode else instruction.operands
+
+
 def _operand_arrays(module: HloModule, instruction: Instruction) -> list:
-    operands = instruction.operands[:1] if "permute" in instruction.opcode else instruction.operands
-    return [array for name in operands for array in module.by_name[name].shape]
+    return [array for name in _operands(instruction) for array in module.by_name[name].shape]
+
+
+def _widened_from(module: HloModule, name: str) -> str | None:
+    """The narrow float type that value `name` was converted to f32 from, when it is such a
+    convert (or a fusion ending in one), possibly followed by layout changes; None otherwise."""
+    producer = module.by_name[name]
+    if producer.opcode == "fusion" and producer.callees:
+        root = module.roots.get(producer.callees[0])
+        producer = module.by_name[root] if root else producer
+    while producer.opcode in _LAYOUT_ONLY and producer.operands:
+        producer = module.by_name[producer.operands[0]]
+    if producer.opcode != "convert" or [a.dtype for a in producer.shape] != ["f32"]:
+        return None
+    source = module.by_name.get(producer.operands[0]) if producer.operands else None
+    dtypes = [a.dtype for a in source.shape] if source else []
+    return dtypes[0] if len(dtypes) == 1 and dtypes[0] in _NARROW_FLOATS else None
+
+
+def _payload_share(module: HloModule, instruction: Instruction) -> tuple[float, list[str]]:
+    """The share of the operand bytes that holds data, and the operands' payload dtypes: a
+    bf16 value widened to f32 for the collective carries half its bytes."""
+    full = payload = 0.0
+    dtypes = set()
+    for name in _operands(instruction):
+        narrow = _widened_from(module, name)
+        for array in module.by_name[name].shape:
+            full += array.bytes
+            payload += array.bytes / 2 if narrow else array.bytes
+            dtypes.add(narrow or array.dtype)
+    return (payload / full if full else 1.0), sorted(dtypes)
 
 
 def _used_share(
@@ -198,6 +239,7 @@ def _collective(
         ideal, ideal_kind = ring, kind
         if kind == "all-reduce" and n > 1:
             ideal, ideal_kind = _ideal_all_reduce(module, instruction, arrays, n)
+    share, payload_dtypes = _payload_share(module, instruction)
     return Collective(
         name=instruction.name,
         kind=kind,
@@ -208,8 +250,9 @@ def _collective(
         group_size=n,
         count=count,
         ring_bytes=ring,
-        ideal_bytes=ideal,
+        ideal_bytes=ideal * share,
         ideal_kind=ideal_kind,
+        payload_dtypes=payload_dtypes,
         op_name=instruction.op_name,
         trip_count_known=known,
     )
@@ -251,6 +294,7 @@ class CommunicationReport:
                     "mesh_axes": axes,
                     "ideal_kind": c.ideal_kind,
                     "dtypes": set(),
+                    "payload_dtypes": set(),
                     "ops": 0,
                     "count_per_step": 0,
                     "ring_bytes_per_step": 0.0,
@@ -258,12 +302,14 @@ class CommunicationReport:
                 },
             )
             row["dtypes"].update(c.dtypes)
+            row["payload_dtypes"].update(c.payload_dtypes)
             row["ops"] += 1
             row["count_per_step"] += c.count
             row["ring_bytes_per_step"] += c.ring_bytes_per_step
             row["ideal_bytes_per_step"] += c.ideal_bytes_per_step
         for row in rows.values():
             row["dtypes"] = sorted(row["dtypes"])
+            row["payload_dtypes"] = sorted(row["payload_dtypes"])
         return sorted(rows.values(), key=lambda r: -r["ring_bytes_per_step"])
 
     def measure(self, trace: Path, num_steps: int) -> list[str]:
@@ -311,9 +357,12 @@ class CommunicationReport:
             header,
         ]
         for row in self.summary():
-            note = ""
+            ideal = []
             if row["ideal_kind"] != row["kind"]:
-                note = f"  ideal: {row['ideal_kind']}"
+                ideal.append(row["ideal_kind"])
+            if row["payload_dtypes"] != row["dtypes"]:
+                ideal.append(f"{'+'.join(row['payload_dtypes'])} payload, widened by the backend")
+            note = f"  ideal: {', '.join(ideal)}" if ideal else ""
             lines.append(
                 f"{row['kind']:<19}{row['mesh_axes']:<20}{'+'.join(row['dtypes']):<9}"
                 f"{row['count_per_step']:>9}{format_bytes(row['ring_bytes_per_step']):>14}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -31,3 +32,44 @@ def to_global_array(
 ) -> jax.Array:
     """One jax.Array over all processes from this process's rows (no host-side global batch)."""
     return jax.make_array_from_process_local_data(sharding, local, tuple(global_shape))
+
+
+class DeviceBatches:
+    """The train batches as global device arrays, read one step ahead.
+
+    The loop calls `prefetch()` right after dispatching step k, so batch k+1 is read on the host
+    and its transfer to the devices is queued while they compute step k, before any log step
+    waits for metrics. `get_state` reports the position of the next batch the loop will take,
+    not the one read ahead, so a checkpoint resumes on exactly the batch that was not trained on.
+    """
+
+    def __init__(self, batches: Any, sharding: NamedSharding, global_shape: Sequence[int]):
+        self._batches = batches  # yields this process's rows; has get_state and set_state
+        self.global_batch: int = batches.global_batch  # sequences per step, all processes
+        self._sharding = sharding
+        self._global_shape = tuple(global_shape)
+        self._ahead: jax.Array | None = None
+        self._state_before_ahead: dict | None = None
+
+    def __iter__(self) -> DeviceBatches:
+        return self
+
+    def __next__(self) -> jax.Array:
+        self.prefetch()
+        batch, self._ahead, self._state_before_ahead = self._ahead, None, None
+        return batch
+
+    def prefetch(self) -> None:
+        """Reads the next batch and starts its transfer, unless that is done already."""
+        if self._ahead is None:
+            self._state_before_ahead = self._batches.get_state()
+            self._ahead = to_global_array(next(self._batches), self._sharding, self._global_shape)
+
+    def get_state(self) -> dict:
+        if self._state_before_ahead is not None:
+            return self._state_before_ahead
+        return self._batches.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self._ahead, self._state_before_ahead = None, None
+        self._batches.set_state(state)

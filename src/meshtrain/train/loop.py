@@ -25,7 +25,7 @@ from meshtrain.observe.communication import CommunicationReport
 from meshtrain.observe.metrics import MetricsWriter, setup_logging
 from meshtrain.observe.profiler import ProfilerWindow
 from meshtrain.observe.throughput import ThroughputMeter
-from meshtrain.train.batch import process_rows, to_global_array
+from meshtrain.train.batch import DeviceBatches, process_rows
 from meshtrain.train.evaluation import make_evaluator
 from meshtrain.train.guard import raise_if_nonfinite
 from meshtrain.train.initial_weights import check_initial_weights, load_initial_params
@@ -65,12 +65,14 @@ class RunResult:
 
 def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = None) -> RunResult:
     """Runs a whole training job and writes its logs and metrics into `run_dir`."""
+    is_main = jax.process_index() == 0
+    if jax.process_count() == 1:  # (several processes: joining the run set up the log files)
+        setup_logging(None, is_main=True)  # the console, until the run directory is written
     setup = prepare(cfg, devices)
     training = cfg.training
     tx = build_optimizer(training)
     shardings = state_shardings(setup.model, tx, setup.mesh)
     checkpoints = _open_checkpoints(setup, tx, shardings, run_dir)
-    is_main = jax.process_index() == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(run_dir, is_main=is_main, rank=jax.process_index())
@@ -107,13 +109,15 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
             ) as profiler,
         ):
             for step in range(start_step + 1, training.steps + 1):
-                with meter.data_wait():
-                    batch = to_global_array(next(batches), batch_sharding, setup.batch_shape)
+                batch = next(batches)  # read and sent while the previous step ran
                 profiler.before_step(step, state)
                 state, metrics = train_step(state, batch)
+                is_last = step == training.steps
+                if not is_last:
+                    with meter.data_wait():
+                        batches.prefetch()  # the next batch, while the devices run this step
                 profiler.after_step(step, state)
 
-                is_last = step == training.steps
                 stop = signals.stop_requested(step)
                 eval_now = evaluate is not None and (is_last or step % training.eval_every == 0)
                 log_now = step == start_step + 1 or step % training.log_every == 0 or is_last
@@ -162,17 +166,19 @@ def _open_checkpoints(
     return checkpoints
 
 
-def _batch_iterator(setup: Setup, batch_sharding: NamedSharding) -> BatchIterator:
-    """The train batches: this process reads only its rows of each global batch."""
+def _batch_iterator(setup: Setup, batch_sharding: NamedSharding) -> DeviceBatches:
+    """The train batches, as device arrays one step ahead: this process reads only its rows of
+    each global batch."""
     rows = process_rows(batch_sharding, setup.batch_shape, axis=1)
     log.info("this process reads rows %d:%d of each micro-batch", rows.start, rows.stop)
-    return BatchIterator(
+    host_batches = BatchIterator(
         setup.train_data,
         global_batch=setup.global_batch,
         accum_steps=setup.cfg.training.gradient_accumulation_steps,
         rows=rows,
         seed=setup.cfg.training.seed,
     )
+    return DeviceBatches(host_batches, batch_sharding, setup.batch_shape)
 
 
 def _initial_state(
@@ -180,7 +186,7 @@ def _initial_state(
     checkpoints: RunCheckpoints,
     tx: optax.GradientTransformation,
     shardings: TrainState,
-    batches: BatchIterator,
+    batches: DeviceBatches,
 ) -> tuple[TrainState, int]:
     """The resumed state and its step (the data moved there), or a fresh state at step 0."""
     cfg = setup.cfg
@@ -238,7 +244,7 @@ def _save_checkpoint(
     checkpoints: RunCheckpoints,
     step: int,
     state: TrainState,
-    batches: BatchIterator,
+    batches: DeviceBatches,
     cfg: Config,
     *,
     force: bool,

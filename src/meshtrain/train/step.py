@@ -44,6 +44,28 @@ def _batch_shards(batch: int, rules: Any) -> int:
     return shards if batch % shards == 0 else 1
 
 
+def _vocab_parallel_rules(batch: int, length: int, vocab: int, rules: Any) -> Any | None:
+    """Rules under which the loss keeps the output weight where it is and moves tokens instead,
+    or None when gathering the weight is cheaper.
+
+    By default the weight [V, D] is gathered over the batch axes (fsdp, dp) for the logits and
+    its gradient reduced over them: V·D elements each way. When the global micro-batch holds
+    fewer tokens than the vocabulary has rows, it is cheaper to gather the tokens (B·T·D) and
+    split the vocabulary over the batch axes as well as its own: each device then computes the
+    logits of every token for V / (all those axes) rows, its weight gradient needs no reduction,
+    and dx is reduced back to the token shards (B·T·D). The result is the same sum.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    batch_axes = [a for a in mesh_axes_for("batch", rules) if mesh.shape.get(a, 1) > 1]
+    vocab_axes = [a for a in mesh_axes_for("vocab", rules) if mesh.shape.get(a, 1) > 1]
+    split = math.prod(mesh.shape[a] for a in (*batch_axes, *vocab_axes))
+    if _batch_shards(batch, rules) == 1 or batch * length >= vocab or vocab % split:
+        return None
+    return {**rules, "batch": None, "vocab": [*vocab_axes, *batch_axes]}
+
+
 def output_cross_entropy(
     x: jax.Array,
     weight: jax.Array,
@@ -65,10 +87,15 @@ def output_cross_entropy(
     chunk's dx and into dW. No [B, T, V] array is kept for the backward pass (only dx and dW
     are), and no log-probabilities are materialised. dW is summed over the chunks per batch
     shard ([shards, D, V], no collective inside the loop); the one reduction over the batch
-    shards follows the loop, as in the unfused backward pass.
+    shards follows the loop, as in the unfused backward pass. When the micro-batch has fewer
+    tokens than the vocabulary, the tokens move instead of the weight (_vocab_parallel_rules).
     """
     batch, length, _ = x.shape
-    shards = _batch_shards(batch, rules)
+    vocab = weight.shape[0 if layout == "VD" else 1]
+    # `inner`: the shardings inside the chunk loop; dx and dW leave it in those of `rules`.
+    vocab_parallel = _vocab_parallel_rules(batch, length, vocab, rules)
+    inner = vocab_parallel or rules
+    shards = 1 if vocab_parallel else _batch_shards(batch, rules)
     chunk_rows = LOSS_CHUNK_ROWS if chunk_rows is None else chunk_rows
     per_chunk = max(1, chunk_rows // max(1, batch // shards))
     num_chunks = -(-length // per_chunk)
@@ -78,7 +105,6 @@ def output_cross_entropy(
     gathered_axes = ("vocab", None) if layout == "VD" else (None, "vocab")
     partial_spec = "SVD" if layout == "VD" else "SDV"
     partial_axes = ("batch", "vocab", None) if layout == "VD" else ("batch", None, "vocab")
-    vocab = weight.shape[0 if layout == "VD" else 1]
     mask = mask.astype(jnp.float32)
 
     def split(a: jax.Array) -> jax.Array:  # [B, T, ...] → [chunks, B, chunk, ...]
@@ -89,7 +115,7 @@ def output_cross_entropy(
 
     def chunk_loss(weight, xc, tc, mc, grads: bool):
         logits = jnp.einsum(f"BTD,{layout}->BTV", xc, weight)
-        logits = constrain(logits, ("batch", "length", "vocab"), rules).astype(jnp.float32)
+        logits = constrain(logits, ("batch", "length", "vocab"), inner).astype(jnp.float32)
         top = jnp.max(logits, axis=-1, keepdims=True)
         # log-sum-exp [B, c, 1]; exp(logits - top) is fused into the sum, never stored.
         lse = top + jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
@@ -102,7 +128,7 @@ def output_cross_entropy(
         onehot = jnp.arange(vocab, dtype=tc.dtype) == tc[..., None]  # [B, c, V]
         dlogits = ((jnp.exp(logits - lse) - onehot) * mc[..., None]).astype(weight.dtype)
         dx = jnp.einsum(f"BTV,{layout}->BTD", dlogits, weight)
-        dx = constrain(dx, ("batch", "length", None), rules)
+        dx = constrain(dx, ("batch", "length", None), inner)
         rows = (shards, batch // shards, chunk)
         dweight = jnp.einsum(
             f"SBTD,SBTV->{partial_spec}",
@@ -110,11 +136,16 @@ def output_cross_entropy(
             dlogits.reshape(*rows, vocab),
             preferred_element_type=jnp.float32,
         )
-        return loss, dx, constrain(dweight, partial_axes, rules)
+        return loss, dx, constrain(dweight, partial_axes, inner)
 
     def run(x, weight, targets, mask, grads: bool):
-        # Gathered over fsdp once, before the chunks (each would otherwise gather it again).
-        weight = constrain(weight, gathered_axes, rules)
+        # Gathered over fsdp once, before the chunks (each would otherwise gather it again);
+        # vocabulary-parallel, the tokens are gathered instead and the weight only re-split.
+        weight = constrain(weight, gathered_axes, inner)
+        if vocab_parallel:
+            x, targets, mask = (
+                constrain(a, ("batch", "length", None)[: a.ndim], inner) for a in (x, targets, mask)
+            )
         xs, ts, ms = split(x), split(targets), split(mask)
         # The first chunk starts the sums (no zero-filled [shards, D, V] buffer); a scan runs
         # the others.
@@ -155,13 +186,25 @@ def output_cross_entropy(
     return fused(x, weight, targets, mask)
 
 
+def cast_params(model: AbstractModel, params: Any, compute_dtype: jnp.dtype) -> Any:
+    """The fp32 master weights in the compute dtype, cast where they are stored: each cast is
+    pinned to its parameter's sharding, so FSDP all-gathers move compute-dtype bytes (half of
+    fp32 in bf16), not fp32 ones cast after the gather."""
+
+    def cast(param: jax.Array, sharding: jax.sharding.NamedSharding) -> jax.Array:
+        if param.dtype == compute_dtype:
+            return param
+        return jax.lax.with_sharding_constraint(param.astype(compute_dtype), sharding)
+
+    return jax.tree.map(cast, params, model.param_shardings)
+
+
 def token_loss_sum(
     model: AbstractModel, params: Any, tokens: jax.Array, *, pad_id: int, compute_dtype: jnp.dtype
 ) -> tuple[jax.Array, jax.Array]:
     """Summed cross-entropy over non-pad targets, and their count. tokens: [B, seq_len + 1]."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [B, T] each
-    # fp32 master weights; the matmuls run in the compute dtype.
-    compute_params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+    compute_params = cast_params(model, params, compute_dtype)
     net = merge_model(model, compute_params)
     mask = (targets != pad_id).astype(jnp.float32)  # [B, T]
     weight, layout = net.output_weight()
