@@ -1,5 +1,8 @@
 """Exceptions reported as one line without a traceback: bad user input (exit code 2), lost processes (1)."""
 
+import difflib
+from collections.abc import Iterable
+
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key, the value and the fix."""
@@ -16,3 +19,14 @@ class DistributedError(RuntimeError):
 def error_line(message: str) -> str:
     """The one line every entry point prints for an error (meshtrain.cli.exit.fail)."""
     return f"meshtrain: error: {message}"
+
+
+def did_you_mean(value: str, options: Iterable[str]) -> str:
+    """ " (did you mean 'x'?)" for the option closest to a misspelt `value`, or "" if none is
+    close: the suffix of an error that names an unknown key or choice."""
+    best, best_score = None, 0.6  # difflib's own cutoff for "close"
+    for option in sorted(options):  # ties go to the first in order: llama3 → llama3_1b
+        score = difflib.SequenceMatcher(None, value, option).ratio()
+        if score > best_score:
+            best, best_score = option, score
+    return f" (did you mean '{best}'?)" if best else ""

@@ -28,7 +28,19 @@ from helpers.process import assert_one_line_error, run_training, subprocess_env
             "training.global_batch_size=12 is not divisible by the batch shards (dp×fsdp=8) × "
             "training.gradient_accumulation_steps=1 = 8; use a multiple of 8, e.g. 8",
         ),
-        ("training.stepz=3", "unknown config key 'training.stepz'"),
+        (
+            "training.stepz=3",
+            "unknown config key 'training.stepz' (did you mean 'training.steps'?)",
+        ),
+        (
+            "+training.stepz=3",
+            "unknown config key 'training.stepz' (did you mean 'training.steps'?)",
+        ),
+        (
+            "model=llama3",
+            "model=llama3 is not a config in configs/model/ (did you mean 'llama3_1b'?); "
+            "choose one of: gemma3_12b, gemma3_1b,",
+        ),
         ("training.steps=many", "bad value for 'training.steps'"),
         (
             "training.lr_schedule=linear",
@@ -44,9 +56,18 @@ def test_bad_input_is_one_line_and_exit_code_2(override, expected, tmp_path):
     overrides = override.split(" ")
     if "num_kv_heads=4" in expected:
         overrides.append("model.num_kv_heads=4")
-    result = run_training(*overrides, f"hydra.run.dir={tmp_path}", timeout=120)
+    run_dir = tmp_path / "outputs" / "tiny" / "2026-01-31" / "12-00-00"
+    result = run_training(*overrides, f"hydra.run.dir={run_dir}", timeout=120)
     assert_one_line_error(result, expected)
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert [p for p in tmp_path.rglob("*") if p != tmp_path / "outputs"] == []  # nothing left
+
+
+def test_a_rejected_run_keeps_a_directory_that_holds_more_than_hydra_files(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    result = run_training("+training.stepz=3", f"hydra.run.dir={tmp_path}", timeout=120)
+    assert_one_line_error(result, "unknown config key 'training.stepz'")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert (tmp_path / ".hydra" / "config.yaml").is_file()
 
 
 def test_cfg_job_prints_the_composed_config_without_training():

@@ -282,11 +282,17 @@ def test_config_mismatch_names_the_field_and_both_values(checkpoints):
     )
 
 
-def test_wrong_family_on_the_command_line_is_one_line_and_exit_code_2(checkpoints):
+def test_wrong_family_on_the_command_line_is_one_line_and_exit_code_2(checkpoints, tmp_path):
     _, directory = checkpoints["llama"]
+    run_dir = tmp_path / "outputs" / "gemma3_1b" / "2026-01-31" / "12-00-00"
     result = run_training(
-        "model=gemma3_1b", f"model.init_from=hf:{directory}", devices=1, timeout=300
+        "model=gemma3_1b",
+        f"model.init_from=hf:{directory}",
+        f"hydra.run.dir={run_dir}",
+        devices=1,
+        timeout=300,
     )
+    assert not (tmp_path / "outputs" / "gemma3_1b").exists()  # the rejected run left nothing
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"meshtrain: error: model.family=gemma3 does not match model_type in "

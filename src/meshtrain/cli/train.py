@@ -13,24 +13,26 @@ Before JAX starts its backend, the command also turns on JAX's persistent compil
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
 import logging
 import os
 import pkgutil
+import shutil
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import HydraException
+from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from meshtrain.cli.exit import EXIT_NONFINITE, fail
-from meshtrain.config.hydra import register_configs, to_config
+from meshtrain.config.hydra import register_configs, to_config, unknown_key_message
 from meshtrain.config.schema import AUTO_CACHE, cache_dir
 from meshtrain.distributed.environment import register_run_dir_resolvers
-from meshtrain.errors import ConfigError, DistributedError
+from meshtrain.errors import ConfigError, DistributedError, did_you_mean
 from meshtrain.units import MIB
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,12 @@ def _wants_traceback() -> bool:
 
 def describe_config_error(err: BaseException) -> str:
     """One line for a Hydra/OmegaConf composition error, naming the key and what to do."""
+    if isinstance(err, MissingConfigException) and err.options and err.missing_cfg_file:
+        group, _, choice = err.missing_cfg_file.rpartition("/")
+        return (
+            f"{group}={choice} is not a config in configs/{group}/"
+            f"{did_you_mean(choice, err.options)}; choose one of: {', '.join(err.options)}"
+        )
     cause = err
     while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
         cause = cause.__cause__
@@ -58,10 +66,7 @@ def describe_config_error(err: BaseException) -> str:
         key = getattr(cause, "full_key", None) or "?"
         detail = str(getattr(cause, "msg", "") or cause).splitlines()[0]
         if "not in struct" in detail or ("Key '" in detail and "not" in detail):
-            return (
-                f"unknown config key '{key}'; check the spelling, or list the keys with "
-                "`python run_training.py --cfg job`"
-            )
+            return unknown_key_message(key)
         return (
             f"bad value for '{key}': {detail}; see `python run_training.py --cfg job` for its type"
         )
@@ -194,11 +199,32 @@ def train_from_hydra(cfg: DictConfig) -> None:
                 return
             result = train(config, run_dir)
     except (ConfigError, DistributedError, NonFiniteError) as err:
+        _remove_if_only_hydra_files(Path(HydraConfig.get().runtime.output_dir))
         if _wants_traceback():
             raise
         fail(str(err), EXIT_NONFINITE if isinstance(err, NonFiniteError) else err.exit_code)
     if result.stopped_by is not None:  # saved after SIGTERM/SIGINT: "stopped, resumable"
         sys.exit(exit_code_for(result.stopped_by))
+
+
+def _remove_if_only_hydra_files(run_dir: Path) -> None:
+    """Removes the directory Hydra made for a run that stopped before writing anything (its
+    start-up checks failed) and, in the default layout outputs/<name>/<date>/<time>, the
+    parents below outputs/ that this leaves empty: a rejected command leaves nothing behind.
+    A directory holding any file outside Hydra's `.hydra/` is kept."""
+    if not run_dir.is_dir() or any(
+        not path.is_dir() and path.relative_to(run_dir).parts[0] != ".hydra"
+        for path in run_dir.rglob("*")
+    ):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if not any(parent.name == "outputs" for parent in run_dir.parents[:3]):
+        return
+    for directory in itertools.takewhile(lambda parent: parent.name != "outputs", run_dir.parents):
+        try:
+            directory.rmdir()  # only if empty
+        except OSError:
+            return
 
 
 def make_main(config_dir: Path) -> Callable[[], None]:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from meshtrain.config.schema import Config
+from meshtrain.errors import ConfigError, did_you_mean
 
 
 def register_configs() -> None:
@@ -13,8 +18,44 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
 
 
+def _section(field: dataclasses.Field) -> type | None:
+    """The dataclass of a section field (Config.training → TrainingConfig), else None."""
+    factory = field.default_factory
+    return factory if isinstance(factory, type) and dataclasses.is_dataclass(factory) else None
+
+
+def schema_keys(schema: type = Config, prefix: str = "") -> Iterator[str]:
+    """Every dotted key of the schema, sections included: "training", "training.steps", ..."""
+    for field in dataclasses.fields(schema):
+        yield f"{prefix}{field.name}"
+        if section := _section(field):
+            yield from schema_keys(section, f"{prefix}{field.name}.")
+
+
+def _unknown_keys(node: Any, schema: type, prefix: str = "") -> Iterator[str]:
+    """Keys of a composed config that the schema lacks (added with `+key=value`)."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for name in node:
+        field = fields.get(str(name))
+        if field is None:
+            yield f"{prefix}{name}"
+        elif section := _section(field):
+            yield from _unknown_keys(node[name], section, f"{prefix}{name}.")
+
+
+def unknown_key_message(key: str) -> str:
+    """The one-line error for a key the schema lacks, with the closest existing key."""
+    return (
+        f"unknown config key '{key}'{did_you_mean(key, schema_keys())}; list the keys with "
+        "`python run_training.py --cfg job`"
+    )
+
+
 def to_config(cfg: DictConfig) -> Config:
-    """Converts a composed Hydra config into typed dataclasses."""
+    """Converts a composed Hydra config into typed dataclasses; a key the schema lacks (added
+    with `+key=value`) is a ConfigError, never silently dropped."""
+    for key in _unknown_keys(cfg, Config):
+        raise ConfigError(unknown_key_message(key))
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, Config):
         obj = Config(**{k: v for k, v in obj.items() if k in Config.__dataclass_fields__})
