@@ -82,19 +82,24 @@ print("env", rank, os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"], os.enviro
       os.environ["MESHTRAIN_RUN_ID"], os.environ["XLA_FLAGS"], sys.argv[1:], flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 mode = sys.argv[1]
+if mode == "gloo":  # Gloo's chatter: a line of its own, and one inside another line
+    gloo = "[Gloo] Rank %d is connected to 2 peer ranks. Expected number of connected peer ranks is : 2"
+    print(gloo % rank, file=sys.stderr, flush=True)
+    print("half " + gloo % rank + "\\nline", file=sys.stderr, flush=True)
 if mode == "fail" and rank == 1:
     sys.exit(3)
 if mode == "kill" and rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)
-if mode != "ok":
+if mode not in ("ok", "gloo"):
     time.sleep(300)
 """
 
 
-def run_script(tmp_path: Path, mode: str) -> subprocess.CompletedProcess[str]:
+def run_script(tmp_path: Path, mode: str, *options: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     return run_launcher(
+        *options,
         "--nprocs",
         "3",
         "--devices-per-process",
@@ -125,6 +130,22 @@ def test_launcher_prefixes_lines_and_sets_the_environment(tmp_path):
     ranked = sorted(line for line in result.stderr.splitlines() if line.startswith("[rank"))
     assert ranked == [f"[rank {r}] to stderr" for r in range(3)]
     assert result.stderr.startswith("meshtrain.launch: ranks 0..2 of 3, coordinator 127.0.0.1:")
+
+
+def test_gloo_chatter_is_hidden_unless_verbose(tmp_path):
+    quiet = run_script(tmp_path, "gloo")
+    assert quiet.returncode == 0, quiet.stderr
+    ranked = sorted(line for line in quiet.stderr.splitlines() if line.startswith("[rank"))
+    assert ranked == sorted(
+        f"[rank {r}] {text}" for r in range(3) for text in ("to stderr", "half line")
+    )
+    assert "[Gloo]" not in quiet.stderr
+    assert quiet.stderr.splitlines()[-1] == (
+        "meshtrain.launch: hid 6 Gloo connection line(s); --verbose shows them"
+    )
+    verbose = run_script(tmp_path, "gloo", "--verbose")
+    assert verbose.returncode == 0, verbose.stderr
+    assert verbose.stderr.count("[Gloo] Rank") == 6 and "hid " not in verbose.stderr
 
 
 def test_launcher_stops_the_rest_and_returns_the_failing_exit_code(tmp_path):

@@ -39,6 +39,11 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
         default=10.0,
         help="seconds the other processes get to exit after SIGTERM when one fails (default 10)",
     )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show Gloo's '[Gloo] Rank N is connected to ...' lines (hidden by default)",
+    )
     parser.add_argument("script", help="the training script, e.g. run_training.py")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments (Hydra overrides)")
     args = parser.parse_args(argv)

@@ -169,12 +169,44 @@ def shell_exit_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _pump(source: BinaryIO, sink: BinaryIO, prefix: bytes, lock: threading.Lock) -> None:
-    for line in iter(source.readline, b""):
-        with lock:
-            sink.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
-            sink.flush()
-    source.close()
+# Gloo's connection report, one per process and peer group at start-up, e.g. "[Gloo] Rank 1 is
+# connected to 3 peer ranks. Expected number of connected peer ranks is : 3". It is written
+# from C++ and may land inside another line of the same process.
+GLOO_CHATTER = re.compile(
+    rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+    rb"Expected number of connected peer ranks is : \d+\n?"
+)
+
+
+class _Pump:
+    """Copies a child's output lines to ours whole, each with its rank prefix, under one lock
+    shared by every pump; without `verbose`, Gloo's connection chatter is dropped and counted."""
+
+    def __init__(self, sink: BinaryIO, prefix: bytes, lock: threading.Lock, *, verbose: bool):
+        self.sink, self.prefix, self.lock, self.verbose = sink, prefix, lock, verbose
+        self.hidden = 0  # Gloo lines dropped
+
+    def run(self, source: BinaryIO) -> None:
+        pending = b""  # text the chatter cut in two: the next line continues it
+        for raw in iter(source.readline, b""):
+            line, pending = pending + raw, b""
+            if not self.verbose:
+                line, dropped = GLOO_CHATTER.subn(b"", line)
+                self.hidden += dropped
+                if dropped and not line.endswith(b"\n"):
+                    pending = line
+                    continue
+                if dropped and not line.strip():
+                    continue
+            self._write(line)
+        if pending.strip():
+            self._write(pending)
+        source.close()
+
+    def _write(self, line: bytes) -> None:
+        with self.lock:
+            self.sink.write(self.prefix + line.rstrip(b"\n") + b"\n")
+            self.sink.flush()
 
 
 class _Interrupted(Exception):
@@ -213,6 +245,7 @@ class LaunchOptions:
     devices_per_process: int  # faked CPU devices, or GPUs, of each process
     platform: str  # auto, cpu or gpu
     grace_period: float  # seconds the others get to exit after SIGTERM when one fails
+    verbose: bool  # also show Gloo's connection lines
     script: str  # the training script, e.g. run_training.py
     args: Sequence[str]  # its arguments (Hydra overrides)
 
@@ -233,7 +266,8 @@ def launch(args: LaunchOptions, environ: Mapping[str, str] | None = None) -> int
     )
     lock = threading.Lock()
     processes: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
+    pumps: list[_Pump] = []
+    threads: list[threading.Thread] = []
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         for local_rank in range(args.nprocs):
@@ -258,11 +292,11 @@ def launch(args: LaunchOptions, environ: Mapping[str, str] | None = None) -> int
                 (process.stdout, sys.stdout.buffer),
                 (process.stderr, sys.stderr.buffer),
             ):
-                pump = threading.Thread(
-                    target=_pump, args=(source, sink, prefix, lock), daemon=True
-                )
-                pump.start()
+                pump = _Pump(sink, prefix, lock, verbose=args.verbose)
+                thread = threading.Thread(target=pump.run, args=(source,), daemon=True)
+                thread.start()
                 pumps.append(pump)
+                threads.append(thread)
         return _supervise(processes, node.first_rank, args.grace_period)
     except (KeyboardInterrupt, _Interrupted) as err:
         signum = err.signum if isinstance(err, _Interrupted) else signal.SIGINT
@@ -271,8 +305,11 @@ def launch(args: LaunchOptions, environ: Mapping[str, str] | None = None) -> int
         return 128 + signum
     finally:
         signal.signal(signal.SIGTERM, previous)
-        for pump in pumps:
-            pump.join(timeout=5)
+        for thread in threads:
+            thread.join(timeout=5)
+        hidden = sum(pump.hidden for pump in pumps)
+        if hidden:
+            _say(f"hid {hidden} Gloo connection line(s); --verbose shows them")
 
 
 def _supervise(processes: Sequence[subprocess.Popen], first_rank: int, grace_s: float) -> int:
