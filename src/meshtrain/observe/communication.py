@@ -57,7 +57,7 @@ class Collective:
     mesh_axes: list[str]  # the mesh axes its groups span
     whole_axes: bool  # false: each group is only part of those axes
     group_size: int
-    count: int  # executions per step
+    count: float  # executions per step (a conditional's branch: a share, see observe.hlo)
     ring_bytes: float  # per device, per execution
     ideal_bytes: float
     ideal_kind: str  # the collective an ideal lowering would use
@@ -214,7 +214,7 @@ def _ideal_all_reduce(
 
 
 def _collective(
-    module: HloModule, instruction: Instruction, mesh: Mesh, count: int, known: bool
+    module: HloModule, instruction: Instruction, mesh: Mesh, count: float, known: bool
 ) -> Collective:
     kind = instruction.opcode.removesuffix("-start")
     arrays = _operand_arrays(module, instruction)
@@ -365,11 +365,11 @@ class CommunicationReport:
             note = f"  ideal: {', '.join(ideal)}" if ideal else ""
             lines.append(
                 f"{row['kind']:<19}{row['mesh_axes']:<20}{'+'.join(row['dtypes']):<9}"
-                f"{row['count_per_step']:>9}{format_bytes(row['ring_bytes_per_step']):>14}"
+                f"{row['count_per_step']:>9g}{format_bytes(row['ring_bytes_per_step']):>14}"
                 f"{format_bytes(row['ideal_bytes_per_step']):>14}{note}"
             )
         lines.append(
-            f"{'total':<48}{sum(c.count for c in self.collectives):>9}"
+            f"{'total':<48}{sum(c.count for c in self.collectives):>9g}"
             f"{format_bytes(self.ring_bytes_per_step):>14}{format_bytes(self.ideal_bytes_per_step):>14}"
         )
         if any(not c.trip_count_known for c in self.collectives):

@@ -166,15 +166,18 @@ class HloModule:
                         self._users[operand].append(instruction)
         return self._users.get(name, [])
 
-    def execution_counts(self) -> tuple[dict[str, int], set[str]]:
+    def execution_counts(self) -> tuple[dict[str, float], set[str]]:
         """How often each computation runs per execution of the entry, and the computations
         whose count assumed 1 iteration of a while loop whose trip count XLA did not know.
 
-        A while loop's body runs `known_trip_count` times per execution of its caller; every
-        other callee (fusions, calls, async wrappers, branches) once per execution of its caller
-        (both branches of a conditional are counted, an upper bound).
+        A while loop's body runs `known_trip_count` times per execution of its caller. Each
+        execution of a conditional runs one of its n branches, which branch is known only at
+        run time, so each branch counts 1/n of the conditional's executions: exact when the
+        branches do the same collectives (Gemma 3's local and global layers under
+        model.scan_layers gather the same weights), their mean otherwise. Every other callee
+        (fusions, calls, async wrappers) runs once per execution of its caller.
         """
-        counts: dict[str, int] = defaultdict(int)
+        counts: dict[str, float] = defaultdict(float)
         unknown: set[str] = set()
         counts[self.entry] = 1
         # The text lists callees before callers, so the reverse order visits callers first.
@@ -185,7 +188,9 @@ class HloModule:
             for instruction in self.computations[computation]:
                 if instruction.opcode in ("async-update", "async-done"):
                     continue  # they name the computation their async-start already ran
-                factor = 1
+                factor = 1.0
+                if instruction.opcode == "conditional":
+                    factor = 1 / max(len(instruction.callees), 1)
                 if instruction.opcode == "while":
                     trips = instruction.trip_count
                     factor = 1 if trips is None else trips
