@@ -45,7 +45,7 @@ def test_checkpointing_doc_commands_run_in_order(tmp_path):
     (tmp_path / "run_training.py").symlink_to(REPO / "run_training.py")
     (tmp_path / "configs").symlink_to(REPO / "configs")
     lines = runnable_lines()
-    assert len(lines) == 6, lines
+    assert len(lines) == 7, lines
     outputs = []
     for line in lines:
         result = subprocess.run(
@@ -78,3 +78,5 @@ def test_checkpointing_doc_commands_run_in_order(tmp_path):
     assert tensors["embed"].shape == (384, 128) and "blocks.1.mlp.down" in tensors
     hf = json.loads((tmp_path / "outputs" / "demo_hf" / "config.json").read_text())
     assert hf["model_type"] == "llama" and hf["hidden_size"] == 128
+    # The HF export of this byte-tokenized run carries its tokenizer: generate needs nothing more.
+    assert outputs[6].startswith("def ") and len(outputs[6]) > len("def \n")

@@ -2,8 +2,9 @@
 `meshtrain-generate`): continue a prompt, greedy unless --temperature.
 
 <checkpoint> is a meshtrain checkpoint (a step directory, its checkpoints/ directory, a run
-directory or an orbax export; the tokenizer is the one it was trained with) or a Hugging Face
-checkpoint directory (config.json, *.safetensors and the tokenizer).
+directory), any `meshtrain.export` output (orbax, safetensors or hf), or a Hugging Face
+checkpoint directory (config.json, *.safetensors). The tokenizer is the one the run trained
+with, else the one the directory carries (inference.load.load_tokenizer), unless --tokenizer.
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ import logging
 import sys
 from pathlib import Path
 
-from meshtrain.checkpoint import find_checkpoints
 from meshtrain.cli.exit import fail
 from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import ConfigError
 from meshtrain.inference.generate import generate
-from meshtrain.inference.load import checkpoint_config, load_checkpoint, load_hf
+from meshtrain.inference.load import load_model, load_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "checkpoint",
-        help="meshtrain checkpoint, checkpoints/ or run directory; or a Hugging Face directory "
-        "(config.json, *.safetensors, tokenizer)",
+        help="meshtrain checkpoint, checkpoints/ or run directory; a meshtrain.export output; "
+        "or a Hugging Face directory (config.json, *.safetensors, tokenizer)",
     )
     parser.add_argument("prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--tokenizer",
-        help="tokenizer.json, sentencepiece .model or directory (default: the checkpoint's)",
+        help="byte, a tokenizer.json, a sentencepiece .model or a directory holding one "
+        "(default: the one the checkpoint trained with or carries)",
     )
     parser.add_argument(
         "--mesh-shape", help='shard the model over the visible devices, e.g. [[4,2],["fsdp","tp"]]'
@@ -59,14 +60,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{path} is not a directory; pass a meshtrain checkpoint (or its run directory) "
                 "or a Hugging Face checkpoint directory (config.json, *.safetensors)"
             )
-        is_meshtrain = bool(find_checkpoints(path))
-        try:
-            tokenizer = build_tokenizer(
-                args.tokenizer
-                or (checkpoint_config(path)["data"]["tokenizer"] if is_meshtrain else str(path))
-            )
-        except ValueError as err:
-            raise ConfigError(str(err).replace("data.tokenizer", "--tokenizer")) from None
+        if args.tokenizer is None:
+            tokenizer = load_tokenizer(path)
+        else:
+            try:
+                tokenizer = build_tokenizer(args.tokenizer)
+            except ValueError as err:
+                raise ConfigError(str(err).replace("data.tokenizer", "--tokenizer")) from None
         try:
             mesh = json.loads(args.mesh_shape) if args.mesh_shape else None
         except json.JSONDecodeError:
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--mesh-shape={args.mesh_shape!r} is not JSON; write it like "
                 '\'[[4,2],["fsdp","tp"]]\''
             ) from None
-        model = load_checkpoint(path, mesh) if is_meshtrain else load_hf(path, mesh)
+        model = load_model(path, mesh)
         if tokenizer.vocab_size > model.embed.shape[0]:
             raise ConfigError(
                 f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "

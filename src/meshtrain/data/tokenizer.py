@@ -10,11 +10,13 @@ tokenizer_config.json beside it (as Hugging Face checkpoints ship it), else from
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import sentencepiece
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizerModel
 
 NO_TOKEN = -1
@@ -40,6 +42,9 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> np.ndarray: ...
     def encode_bytes(self, data: bytes) -> np.ndarray: ...
     def decode(self, ids: np.ndarray | list[int]) -> str: ...
+
+
+BYTE_SPECIALS = ("<pad>", "<bos>", "<eos>")  # ids 256, 257, 258 of ByteTokenizer
 
 
 class ByteTokenizer:
@@ -68,6 +73,30 @@ class ByteTokenizer:
             .tobytes()
             .decode("utf-8", errors="replace")
         )
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """byte → the printable character that stands for it in a byte-level tokenizer.json (GPT-2's
+    table: printable Latin-1 bytes are themselves, the others are shifted past U+0100)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    shifted = [b for b in range(256) if b not in printable]
+    return {
+        **{b: chr(b) for b in printable},
+        **{b: chr(256 + i) for i, b in enumerate(shifted)},
+    }
+
+
+def byte_tokenizer_json() -> HFTokenizerModel:
+    """ByteTokenizer as a Hugging Face tokenizer: byte b is id b, then <pad>, <bos>, <eos> as
+    256, 257, 258. It encodes any text to the same ids as ByteTokenizer, except that the literal
+    strings <pad>, <bos> and <eos> become their special tokens."""
+    alphabet = _byte_level_alphabet()
+    tokenizer = HFTokenizerModel(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in BYTE_SPECIALS])
+    return tokenizer
 
 
 def _distinct_pad(pad_id: int, bos_id: int, eos_id: int) -> int:
@@ -100,11 +129,6 @@ class HFTokenizer:
             path,
             *[f for f in (path.parent / n for n in COMPANION_FILES) if f.is_file()],
         )
-
-    def special_tokens(self) -> dict[str, str]:
-        """{"bos_token": "<bos>", ...}: the special tokens that exist, as tokenizer_config.json names them."""
-        ids = {"bos": self.bos_id, "eos": self.eos_id, "pad": self.pad_id}
-        return {f"{r}_token": self._tokenizer.id_to_token(i) for r, i in ids.items() if i >= 0}
 
     def encode(self, text: str) -> np.ndarray:
         """Returns the ids of `text` without specials (packing adds bos and eos)."""
@@ -151,6 +175,30 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: np.ndarray | list[int]) -> str:
         return self._processor.decode([int(i) for i in ids])
+
+
+def save_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
+    """Writes `tokenizer` into `directory` under the names transformers and `build_tokenizer`
+    look for: its tokenizer.json or tokenizer.model, then its companions. The byte tokenizer is
+    written as an equivalent tokenizer.json (byte_tokenizer_json); a tokenizer.json without a
+    tokenizer_config.json gets one naming its special tokens."""
+    if isinstance(tokenizer, ByteTokenizer):
+        byte_tokenizer_json().save(str(directory / "tokenizer.json"))
+    elif tokenizer.source_files:
+        main, *companions = tokenizer.source_files
+        shutil.copyfile(main, directory / f"tokenizer{main.suffix}")
+        for source in companions:
+            shutil.copyfile(source, directory / source.name)
+    if (directory / "tokenizer.json").is_file() and not (
+        directory / "tokenizer_config.json"
+    ).exists():
+        roles = {"bos": tokenizer.bos_id, "eos": tokenizer.eos_id, "pad": tokenizer.pad_id}
+        named = HFTokenizerModel.from_file(str(directory / "tokenizer.json"))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **{f"{r}_token": named.id_to_token(i) for r, i in roles.items() if i >= 0},
+        }
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def build_tokenizer(name: str) -> Tokenizer:

@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from meshtrain.config import ModelConfig
-from meshtrain.data.tokenizer import HFTokenizer, Tokenizer, build_tokenizer
+from meshtrain.data.tokenizer import Tokenizer, build_tokenizer, save_tokenizer
 from meshtrain.errors import ConfigError
 from meshtrain.hf.config_json import hf_config_from_model
 from meshtrain.hf.safetensors_io import DTYPES, INDEX_FILE, write_safetensors
@@ -57,21 +57,6 @@ def _files(sizes: list[int], max_shard_bytes: int) -> list[list[int]]:
         files[-1].append(i)
         used += size
     return files
-
-
-def _copy_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
-    """The tokenizer's files under the names transformers looks for (tokenizer.json or
-    tokenizer.model first, then its companions); a tokenizer.json without a
-    tokenizer_config.json gets one naming its special tokens."""
-    if not tokenizer.source_files:
-        return
-    main, *companions = tokenizer.source_files
-    shutil.copyfile(main, directory / f"tokenizer{main.suffix}")
-    for source in companions:
-        shutil.copyfile(source, directory / source.name)
-    if isinstance(tokenizer, HFTokenizer) and not (directory / "tokenizer_config.json").exists():
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer.special_tokens()}
-        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def export_hf(
@@ -145,7 +130,7 @@ def export_hf(
     if special:
         (partial / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
     if tokenizer is not None:
-        _copy_tokenizer(tokenizer, partial)
+        save_tokenizer(tokenizer, partial)
     if out.exists():
         out.rmdir()  # empty, checked above
     partial.rename(out)

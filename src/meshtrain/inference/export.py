@@ -9,7 +9,11 @@ readable one is taken) or a run directory. Formats (`--format`):
   safetensors  <out_dir>/model.safetensors, tensors named by path ("blocks.0.attn.q"), and
                <out_dir>/config.json with the model config, for sharing and inference
   hf           a Hugging Face checkpoint of the model's family (meshtrain.export_hf):
-               config.json, safetensors with transformers' names, the tokenizer
+               config.json, safetensors with transformers' names
+
+Every format carries the run's tokenizer as tokenizer.json (or tokenizer.model) with its
+tokenizer_config.json, so `python -m meshtrain.generate <out_dir> PROMPT` needs nothing else; the
+byte tokenizer is written as an equivalent tokenizer.json.
 
 A new format is one more function in EXPORTERS. Export reads whole arrays into host memory
 (about the size of the parameters) on CPU; it needs no accelerator.
@@ -39,6 +43,7 @@ from meshtrain.checkpoint.layout import (
     read_params,
 )
 from meshtrain.config import ModelConfig
+from meshtrain.data.tokenizer import Tokenizer, build_tokenizer, save_tokenizer
 from meshtrain.hf.save import export_hf
 from meshtrain.models.transformer import Transformer
 
@@ -54,6 +59,7 @@ def write_orbax(params: Any, meta: dict[str, Any], out_dir: Path) -> None:
     args = {PARAMS: ocp.args.StandardSave(params), META: ocp.args.JsonSave(meta)}
     checkpointer.save(out_dir, args=ocp.args.Composite(**args))
     checkpointer.close()
+    _save_run_tokenizer(meta, out_dir)
 
 
 def write_safetensors(params: Any, meta: dict[str, Any], out_dir: Path) -> None:
@@ -63,6 +69,7 @@ def write_safetensors(params: Any, meta: dict[str, Any], out_dir: Path) -> None:
     )
     config = {"model": meta["config"]["model"], "step": meta["step"], "source": meta["source"]}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _save_run_tokenizer(meta, out_dir)
 
 
 def write_hf(params: Any, meta: dict[str, Any], out_dir: Path) -> None:
@@ -75,7 +82,24 @@ def write_hf(params: Any, meta: dict[str, Any], out_dir: Path) -> None:
     saved = named_leaves(params)
     arrays = [jnp.asarray(saved[name]) for name in named_leaves(abstract)]
     keyed = jax.tree.unflatten(jax.tree.structure(abstract), arrays)
-    export_hf(keyed, model, out_dir, meta["config"]["data"]["tokenizer"])
+    export_hf(keyed, model, out_dir, _run_tokenizer(meta))
+
+
+def _run_tokenizer(meta: dict[str, Any]) -> Tokenizer | None:
+    """The tokenizer the run trained with (its data.tokenizer), or None, with a warning, when it
+    cannot be found from here: the parameters are exported all the same."""
+    name = meta["config"]["data"]["tokenizer"]
+    try:
+        return build_tokenizer(name)
+    except ValueError as err:
+        log.warning("%s; the export holds no tokenizer (generate then needs --tokenizer)", err)
+        return None
+
+
+def _save_run_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
+    tokenizer = _run_tokenizer(meta)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out_dir)
 
 
 # --format name → writer(params as numpy arrays, export description, out_dir)

@@ -1,10 +1,13 @@
 """Ready-to-call models for scripts and notebooks: `load_hf` from a local Hugging Face
-checkpoint directory, `load_checkpoint` from a meshtrain checkpoint (or run directory, or
-export). Both read each array straight into its shards on the mesh they are given.
+checkpoint directory, `load_checkpoint` from a meshtrain checkpoint (or run directory, or orbax
+export), `load_safetensors_export` from `meshtrain.export --format safetensors`. Each reads
+every array straight into its shards on the mesh it is given. `load_tokenizer` finds the
+tokenizer that goes with any of them.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -13,11 +16,19 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from meshtrain.checkpoint.layout import CorruptCheckpoint, find_checkpoints, read_meta, read_params
+from meshtrain.checkpoint.layout import (
+    CorruptCheckpoint,
+    find_checkpoints,
+    named_leaves,
+    read_meta,
+    read_params,
+)
 from meshtrain.config.schema import ModelConfig
+from meshtrain.data.tokenizer import TOKENIZER_FILES, Tokenizer, build_tokenizer
 from meshtrain.errors import ConfigError
 from meshtrain.hf.config_json import model_config_from_hf, read_config_json
 from meshtrain.hf.load import check_init_from, load_params
+from meshtrain.hf.safetensors_io import CheckpointReader
 from meshtrain.models.abstract import abstract_model, merge_model
 from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.mesh import resolve_mesh
@@ -106,3 +117,84 @@ def load_checkpoint(
             continue
         return merge_model(model, jax.tree.map(lambda p: p.astype(dtype), params))
     raise ConfigError(f"no readable checkpoint at {path}")
+
+
+def _safetensors_export_config(directory: Path) -> dict[str, Any] | None:
+    """The config.json of a `meshtrain.export --format safetensors` directory ({"model": {...},
+    "step": ..., "source": ...}); None for any other directory."""
+    file = directory / "config.json"
+    if not (file.is_file() and (directory / "model.safetensors").is_file()):
+        return None
+    config = json.loads(file.read_text())
+    return config if isinstance(config.get("model"), dict) and "source" in config else None
+
+
+def load_safetensors_export(
+    path: str | Path,
+    mesh: Mesh | list[Any] | None = None,
+    *,
+    dtype: jnp.dtype = jnp.float32,
+) -> Transformer:
+    """The model of a `meshtrain.export --format safetensors` directory (config.json with the
+    model config, model.safetensors with tensors named by path). `mesh` as in `load_hf`."""
+    directory = Path(path).expanduser()
+    config = _safetensors_export_config(directory)
+    if config is None:
+        raise ConfigError(
+            f"{directory} is not a safetensors export (config.json with a model config and "
+            "model.safetensors)"
+        )
+    mesh, spec = resolve_mesh(mesh)
+    model = abstract_model(ModelConfig(**config["model"]), mesh, spec)
+    reader = CheckpointReader(directory)
+    shardings = named_leaves(model.param_shardings)
+    arrays = [
+        jax.make_array_from_callback(
+            leaf.shape,
+            shardings[name],
+            lambda index, name=name: reader.read(name, index).astype(dtype),
+        )
+        for name, leaf in named_leaves(model.abstract_params).items()
+    ]
+    params = jax.tree.unflatten(jax.tree.structure(model.abstract_params), arrays)
+    return merge_model(model, params)
+
+
+def load_model(
+    path: str | Path, mesh: Mesh | list[Any] | None = None, *, dtype: jnp.dtype = jnp.float32
+) -> Transformer:
+    """The model at `path`, whichever kind it is: a meshtrain checkpoint (or run directory, or
+    orbax export), a safetensors export or a Hugging Face checkpoint directory."""
+    directory = Path(path).expanduser()
+    if find_checkpoints(directory):
+        return load_checkpoint(directory, mesh, dtype=dtype)
+    if _safetensors_export_config(directory) is not None:
+        return load_safetensors_export(directory, mesh, dtype=dtype)
+    return load_hf(directory, mesh, dtype=dtype)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer that goes with the model at `path` (as `load_model` reads it): the one a
+    meshtrain checkpoint was trained with (its data.tokenizer), else the tokenizer.json or
+    tokenizer.model that an export or a Hugging Face checkpoint carries."""
+    directory = Path(path).expanduser()
+    recorded = None
+    if find_checkpoints(directory):
+        recorded = checkpoint_config(directory)["data"]["tokenizer"]
+        try:
+            return build_tokenizer(recorded)
+        except ValueError:
+            pass  # moved or relative to another directory: an export may still carry it
+    if any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return build_tokenizer(str(directory))
+    trained_with = (
+        f"was trained with data.tokenizer={recorded!r}, which is not found from {Path.cwd()}, "
+        "and holds"
+        if recorded
+        else "holds"
+    )
+    raise ConfigError(
+        f"{directory} {trained_with} no {' or '.join(TOKENIZER_FILES)}; pass the tokenizer the "
+        "model was trained with: --tokenizer byte, --tokenizer PATH/tokenizer.json (or .model), "
+        "or --tokenizer DIRECTORY holding one"
+    )
