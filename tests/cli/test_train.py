@@ -1,9 +1,14 @@
 """The real command line: one-line errors with exit code 2, --cfg job, --help, multirun."""
 
 import json
+import os
+import pty
 import re
+import subprocess
+import sys
 
 import pytest
+from helpers.paths import REPO
 from helpers.process import assert_one_line_error, run_training, subprocess_env
 
 
@@ -127,3 +132,46 @@ def test_multirun_sweep(tmp_path):
     second = [json.loads(x) for x in (tmp_path / "1" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in first] == [x["step"] for x in second] == [1, 2]
     assert first[0]["loss"] != second[0]["loss"]  # different seeds, different init
+
+
+def test_on_a_terminal_a_live_bar_moves_between_log_steps(tmp_path):
+    """stdout on a pseudo-terminal, as in an interactive shell: the bar shows steps that are
+    not log steps, log lines stay whole above it, and the start-up phases are announced."""
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "run_training.py",
+            "data=synthetic",
+            "training.steps=40",
+            "training.log_every=20",
+            "training.eval_every=0",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=REPO,
+        env=subprocess_env(1),
+        stdout=terminal,
+        stderr=subprocess.PIPE,
+    )
+    os.close(terminal)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    assert process.wait(timeout=300) == 0, process.stderr.read().decode()
+    os.close(controller)
+    text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", output.decode())
+    frames = [frame for frame in re.split(r"[\r\n]", text) if frame.strip()]
+    shown = {int(m[1]) for f in frames if (m := re.match(r"step (\d+)/40 ", f))}
+    assert len(shown - {20, 40}) >= 2, shown  # steps other than the log steps
+    assert 40 in shown
+    logged = [f for f in frames if re.match(r"\d\d:\d\d:\d\d INFO meshtrain", f)]
+    for announced in ("reading the data", "compiling the train step...", "preparing the train"):
+        assert any(announced in line for line in logged), announced
+    assert any(line.endswith("eta=?") and "step 1/40" in line for line in logged)
+    assert any("step 40/40 loss=" in line for line in logged)  # whole, never cut by the bar

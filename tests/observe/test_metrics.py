@@ -10,6 +10,7 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from tensorboardX.proto.event_pb2 import Event, SessionLog
@@ -137,17 +138,16 @@ def test_resumed_writer_replaces_the_steps_after_its_start(tmp_path: Path) -> No
 def test_train_log_has_formatted_step_line(tmp_path: Path, clock: _FakeClock) -> None:
     setup_logging(tmp_path, is_main=True)
     with MetricsWriter(tmp_path, total_steps=300, is_main=True) as writer:
-        clock.now = 29.0
         writer.write(10, STEP_METRICS)
+        clock.now = 29.0
+        writer.write(20, STEP_METRICS)  # 10 steps in 29 s → 280 × 2.9 s
 
-    log = (tmp_path / "train.log").read_text()
+    log = (tmp_path / "train.log").read_text().splitlines()[-1]
     expected = (
-        "INFO meshtrain.observe.metrics: step 10/300 loss=4.1234 lr=3.00e-03 grad_norm=1.23 "
-        "tokens/s=12,345 step_time=0.052s eta=14m01s"
+        "INFO meshtrain.observe.metrics: step 20/300 loss=4.1234 lr=3.00e-03 grad_norm=1.23 "
+        "tokens/s=12,345 step_time=0.052s eta=13m32s"
     )
-    assert re.fullmatch(
-        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} " + re.escape(expected) + "\n", log
-    ), log
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} " + re.escape(expected), log), log
 
 
 def test_tensorboard_scalars_round_trip(tmp_path: Path) -> None:
@@ -227,26 +227,24 @@ class _TtyStream(io.StringIO):
         return True
 
 
-def test_tty_progress_line_is_cleared_before_log_lines(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: _FakeClock
+def test_on_a_terminal_log_lines_go_above_the_live_bar(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     stream = _TtyStream()
     monkeypatch.setattr("sys.stdout", stream)
     setup_logging(tmp_path, is_main=True)
-    with MetricsWriter(tmp_path, total_steps=100, is_main=True) as writer:
-        clock.now = 10.0
+    with MetricsWriter(tmp_path, total_steps=100, is_main=True, tokens_per_step=64) as writer:
+        writer.dispatched(50, jnp.float32(2.0))  # a finished step: the bar shows it
         writer.write(50, {"loss": 2.0, "tokens_per_sec": 1234.0})
         logging.getLogger("meshtrain.train.loop").info("saved checkpoint")
-
-    bar = "[##########----------] 50/100 loss=2.0000 tokens/s=1,234 eta=10s"
-    out = re.sub(r"\d\d:\d\d:\d\d", "T", stream.getvalue())
-    # Log line, progress drawn, erased for the next log line, redrawn, then kept on close.
-    assert out == (
-        "T INFO meshtrain.observe.metrics: step 50/100 loss=2.0000 tokens/s=1,234 eta=10s\n"
-        f"\r\x1b[K{bar}"
-        "\r\x1b[KT INFO meshtrain.train.loop: saved checkpoint\n"
-        f"{bar}\n"
+    assert metrics._console_handler().bar is None  # closed with the writer
+    text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", stream.getvalue())
+    frames = [re.sub(r"\d\d:\d\d:\d\d", "T", f) for f in re.split(r"[\r\n]", text) if f.strip()]
+    assert (
+        "T INFO meshtrain.observe.metrics: step 50/100 loss=2.0000 tokens/s=1,234 eta=?" in frames
     )
+    assert "T INFO meshtrain.train.loop: saved checkpoint" in frames
+    assert frames[-1].startswith("step 50/100 ") and "loss=2.0000" in frames[-1]
 
 
 def test_eta_uses_steps_since_first_write_and_start_step(
@@ -255,10 +253,10 @@ def test_eta_uses_steps_since_first_write_and_start_step(
     caplog.set_level(logging.INFO, logger="meshtrain.observe.metrics")
     with MetricsWriter(tmp_path, total_steps=300, is_main=True, start_step=100) as writer:
         clock.now = 20.0
-        writer.write(110, {"loss": 1.0})  # 10 steps in 20 s since creation → 190 × 2 s
+        writer.write(110, {"loss": 1.0})  # its steps hold the first one's warm-up: no estimate
         clock.now = 25.0
         writer.write(120, {"loss": 1.0})  # 10 steps in 5 s since the first write → 180 × 0.5 s
-    with MetricsWriter(tmp_path, total_steps=300, is_main=True) as writer:
-        writer.write(10, {"loss": 1.0})  # no time measured yet: no estimate
+        clock.now = 35.0
+        writer.write(130, {"loss": 1.0})  # 20 steps in 15 s → 170 × 0.75 s
     etas = [record.getMessage().rsplit("eta=", 1)[1] for record in caplog.records]
-    assert etas == ["6m20s", "1m30s", "?"]
+    assert etas == ["?", "1m30s", "2m08s"]

@@ -1,4 +1,4 @@
-"""Metric sinks for a run: train.log, console log and progress line, metrics.jsonl, TensorBoard.
+"""Metric sinks for a run: train.log, console log and progress bar, metrics.jsonl, TensorBoard.
 
 Only process 0 writes train.log, metrics.jsonl and TensorBoard; another process N logs to
 rank<N>.log and prints only warnings and errors.
@@ -10,7 +10,6 @@ import itertools
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 from collections.abc import Mapping
@@ -18,9 +17,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from meshtrain.observe.progress import ProgressBar
 from meshtrain.units import format_eta
 
 if TYPE_CHECKING:
+    import jax
     from tensorboardX import SummaryWriter
 
 logger = logging.getLogger(__name__)
@@ -43,42 +44,25 @@ _DISPLAY: dict[str, tuple[str, str]] = {
     "memory_in_use_gib": ("mem", "{:.2f}GiB"),
     "memory_peak_gib": ("mem_peak", "{:.2f}GiB"),
 }
-_BAR_WIDTH = 20
 _writer_numbers = itertools.count()
 
 
 class _ConsoleHandler(logging.StreamHandler):
-    """Console handler that owns the progress line, so log lines never land in the middle of it."""
+    """Console handler; while a progress bar is shown, its lines go above the bar."""
 
     def __init__(self) -> None:
         super().__init__(sys.stdout)
         self.tty = self.stream.isatty()
-        self._progress = ""
+        self.bar: ProgressBar | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self._progress:
-            self.stream.write("\r\x1b[K")
-        super().emit(record)
-        if self._progress:
-            self.stream.write(self._progress)
-            self.flush()
-
-    def show_progress(self, text: str) -> None:
-        # A redrawn line that wraps could not be erased by "\r", so it must fit the terminal.
-        if not self.tty:
+        if self.bar is None:
+            super().emit(record)
             return
-        with self.lock:
-            self._progress = text[: shutil.get_terminal_size().columns - 1]
-            self.stream.write("\r\x1b[K" + self._progress)
-            self.flush()
-
-    def finish_progress(self) -> None:
-        # Keep the last progress line on screen and move below it.
-        with self.lock:
-            if self._progress:
-                self.stream.write("\n")
-                self.flush()
-            self._progress = ""
+        try:
+            self.bar.print(self.format(record))
+        except Exception:
+            self.handleError(record)
 
 
 def setup_logging(
@@ -164,16 +148,22 @@ def _truncate_jsonl(path: Path, *, last_step: int) -> None:
 
 
 class MetricsWriter:
-    """Writes each logged step to metrics.jsonl, TensorBoard, the log and the progress line."""
+    """Writes each logged step to metrics.jsonl, TensorBoard and the log; on a terminal, it
+    also shows every step finishing on a progress bar (observe.progress)."""
 
     def __init__(
-        self, run_dir: Path, *, total_steps: int, is_main: bool, start_step: int = 0
+        self,
+        run_dir: Path,
+        *,
+        total_steps: int,
+        is_main: bool,
+        start_step: int = 0,
+        tokens_per_step: int = 0,
     ) -> None:
         self.total_steps = total_steps
         self.is_main = is_main
-        self._start_step = start_step
-        self._created = time.monotonic()
         self._first: tuple[float, int] | None = None
+        self._bar: ProgressBar | None = None
         if not is_main:
             return
         run_dir = Path(run_dir)
@@ -191,6 +181,20 @@ class MetricsWriter:
             filename_suffix=f".{os.getpid()}.{next(_writer_numbers)}",
         )
         self._closed = False
+        console = _console_handler()
+        if console is not None and console.tty:
+            self._bar = ProgressBar(
+                console.stream,
+                total_steps=total_steps,
+                start_step=start_step,
+                tokens_per_step=tokens_per_step,
+            )
+            console.bar = self._bar
+
+    def dispatched(self, step: int, loss: jax.Array) -> None:
+        """Step `step` is on its way; the progress bar moves when `loss` is ready."""
+        if self._bar is not None:
+            self._bar.dispatched(step, loss)
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         if not self.is_main:
@@ -206,25 +210,14 @@ class MetricsWriter:
         shown = " ".join(_format_metric(name, value) for name, value in values.items())
         logger.info("step %d/%d %s eta=%s", step, self.total_steps, shown, eta)
 
-        console = _console_handler()
-        if console is not None:
-            filled = min(_BAR_WIDTH, _BAR_WIDTH * step // max(self.total_steps, 1))
-            brief = " ".join(
-                _format_metric(name, values[name])
-                for name in ("loss", "tokens_per_sec")
-                if name in values
-            )
-            bar = "#" * filled + "-" * (_BAR_WIDTH - filled)
-            console.show_progress(f"[{bar}] {step}/{self.total_steps} {brief} eta={eta}")
-
     def _eta(self, step: int) -> str:
+        """The time left at the pace of the steps since the first write: the first logged
+        step's own time holds warm-up, so it gives no estimate ("?")."""
         now = time.monotonic()
         if self._first is None:
-            # Only estimate until a second write: it includes start-up and JIT compile time.
             self._first = (now, step)
-            since, done = self._created, step - self._start_step
-        else:
-            since, done = self._first[0], step - self._first[1]
+            return "?"
+        since, done = self._first[0], step - self._first[1]
         if done <= 0 or now <= since:
             return "?"
         return format_eta((now - since) / done * max(self.total_steps - step, 0))
@@ -233,9 +226,11 @@ class MetricsWriter:
         if not self.is_main or self._closed:
             return
         self._closed = True
-        console = _console_handler()
-        if console is not None:
-            console.finish_progress()
+        if self._bar is not None:
+            self._bar.close()
+            console = _console_handler()
+            if console is not None:
+                console.bar = None
         self._tb.close()
         self._jsonl.close()
 

@@ -31,6 +31,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from meshtrain.accelerators import accelerator_for_kind
 from meshtrain.config.schema import cache_root
+from meshtrain.observe.progress import phase
 from meshtrain.units import GIB, format_flops
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,12 @@ def matmul_peak(
         if _valid(cached):
             _memo[memo_key] = {**cached, "path": str(path)}
             return _memo[memo_key]
-    rates = measure_matmul_peak(device, compute_dtype)
+    with phase(
+        log,
+        f"measuring this machine's {compute_dtype} matmul peak for MFU (once; cached in {path})",
+        "measured the matmul peak",
+    ):
+        rates = measure_matmul_peak(device, compute_dtype)
     size = max(rates, key=rates.__getitem__)
     measured = {
         "flops_per_s": rates[size],

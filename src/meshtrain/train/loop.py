@@ -24,6 +24,7 @@ from meshtrain.distributed.preemption import StopSignals
 from meshtrain.observe.communication import CommunicationReport
 from meshtrain.observe.metrics import MetricsWriter, setup_logging
 from meshtrain.observe.profiler import ProfilerWindow
+from meshtrain.observe.progress import phase
 from meshtrain.observe.throughput import ThroughputMeter
 from meshtrain.train.batch import DeviceBatches, process_rows
 from meshtrain.train.evaluation import make_evaluator
@@ -98,7 +99,11 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
         clock = _Interval(start_step)
         with (
             MetricsWriter(
-                run_dir, total_steps=training.steps, is_main=is_main, start_step=start_step
+                run_dir,
+                total_steps=training.steps,
+                is_main=is_main,
+                start_step=start_step,
+                tokens_per_step=setup.global_batch * cfg.data.seq_len,
             ) as writer,
             ProfilerWindow(
                 cfg.profile,
@@ -112,6 +117,7 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
                 batch = next(batches)  # read and sent while the previous step ran
                 profiler.before_step(step, state)
                 state, metrics = train_step(state, batch)
+                writer.dispatched(step, metrics["loss"])
                 is_last = step == training.steps
                 if not is_last:
                     with meter.data_wait():
@@ -196,7 +202,8 @@ def _initial_state(
         state = create_train_state(cfg.model, tx, shardings, cfg.training.seed, params)
         return split_state(state)
 
-    params, rest, start_step = checkpoints.restore_or_init(fresh, batches)
+    with phase(log, "preparing the train state", "prepared the train state"):
+        params, rest, start_step = checkpoints.restore_or_init(fresh, batches)
     return join_state(params, rest), start_step
 
 

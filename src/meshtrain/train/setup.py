@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from meshtrain.models.abstract import AbstractModel, abstract_model
 from meshtrain.observe.communication import CommunicationReport, account_collectives
 from meshtrain.observe.flops import train_flops_per_step
 from meshtrain.observe.memory_plan import MemoryPlan, device_capacity, memory_plan
+from meshtrain.observe.progress import phase
 from meshtrain.observe.throughput import ThroughputMeter, peak_flops_per_device
 from meshtrain.parallel.mesh import MeshSpec, build_mesh, format_mesh_shape, parse_mesh_shape
 from meshtrain.parallel.rules import logical_to_spec
@@ -100,12 +100,14 @@ def prepare(
     micro = micro_batch_size(cfg, mesh_spec)
     if not with_data:
         return Setup(cfg, mesh_spec, mesh, model, micro, None, None)
-    train_data = _build_data(cfg, "train")
-    if len(train_data) == 0:
-        raise ConfigError(
-            f"data.path={cfg.data.path!r} with data.glob={cfg.data.glob!r} gave no training sequences"
-        )
-    validation_data = _build_data(cfg, "validation") if cfg.training.eval_every else None
+    with phase(log, f"reading the data ({cfg.data.source})", "read the data"):
+        train_data = _build_data(cfg, "train")
+        if len(train_data) == 0:
+            raise ConfigError(
+                f"data.path={cfg.data.path!r} with data.glob={cfg.data.glob!r} gave no training "
+                "sequences"
+            )
+        validation_data = _build_data(cfg, "validation") if cfg.training.eval_every else None
     if validation_data is not None and len(validation_data) == 0:
         validation_data = None
     return Setup(cfg, mesh_spec, mesh, model, micro, train_data, validation_data)
@@ -159,11 +161,10 @@ def compile_train_step(
         nonfinite=cfg.training.nonfinite,
     )
     abstract_batch = jax.ShapeDtypeStruct(setup.batch_shape, np.int32, sharding=batch_sharding)
-    start = time.perf_counter()
-    compiled = train_step.lower(
-        abstract_train_state(setup.model, tx, shardings), abstract_batch
-    ).compile()
-    log.info("compiled the train step in %.1f s", time.perf_counter() - start)
+    with phase(log, "compiling the train step", "compiled the train step"):
+        compiled = train_step.lower(
+            abstract_train_state(setup.model, tx, shardings), abstract_batch
+        ).compile()
     return compiled, batch_sharding
 
 

@@ -1,0 +1,97 @@
+"""The live progress bar: it moves when a dispatched step's loss is ready (never waiting for
+one), measures tokens/s and the ETA from the steps after the first, and prints log lines above
+itself; `phase` announces a start-up phase and its time."""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshtrain.observe.progress import ProgressBar, phase
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[a-zA-Z]")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+    def frames(self) -> list[str]:
+        """Each line or redraw of the bar, escape codes removed."""
+        text = ANSI.sub("", self.getvalue())
+        return [frame for frame in re.split(r"[\r\n]", text) if frame.strip()]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _PendingLoss:
+    """A loss whose step has not finished yet, until `finish`."""
+
+    def __init__(self, value: float) -> None:
+        self.value, self.ready = value, False
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        assert self.ready, "the bar read a loss before its step finished"
+        return np.asarray(self.value, dtype=dtype)
+
+
+def test_the_bar_moves_per_finished_step_and_never_waits():
+    terminal, clock = _Terminal(), _Clock()
+    bar = ProgressBar(terminal, total_steps=10, start_step=0, tokens_per_step=1000, clock=clock)
+    bar._stop.set()  # drive the polls by hand; the thread is tested end to end in tests/cli
+    bar._thread.join()
+    clock.now = 30.0  # the first step ends after compilation and warm-up
+    bar.dispatched(1, jnp.float32(5.5))
+    second = _PendingLoss(4.25)
+    bar.dispatched(2, second)
+    assert bar._poll()
+    bar._progress.refresh()
+    assert "step 1/10" in terminal.frames()[-1] and "loss=5.5000" in terminal.frames()[-1]
+    assert not bar._poll()  # step 2 is still running: no wait, no move
+    for step in range(3, 6):
+        bar.dispatched(step, jnp.float32(4.0 - step / 10))
+    clock.now = 34.0  # steps 2..5 in 4 s: 1 step/s, 1000 tokens/s, 5 steps left
+    second.ready = True
+    assert bar._poll()
+    bar._progress.refresh()
+    last = terminal.frames()[-1]
+    assert "step 5/10" in last and "loss=3.5000" in last
+    assert "tokens/s=1,000" in last and "eta 0:00:05" in last
+    bar._stop.clear()
+    bar.close()
+
+
+def test_log_lines_go_whole_above_the_bar():
+    terminal = _Terminal()
+    with ProgressBar(terminal, total_steps=4, start_step=2, tokens_per_step=8) as bar:
+        bar.print("12:00:00 INFO meshtrain.train.loop: a whole line")
+        bar.dispatched(3, jnp.float32(2.0))
+        bar.dispatched(4, jnp.float32(1.0))
+    frames = terminal.frames()
+    assert "12:00:00 INFO meshtrain.train.loop: a whole line" in frames
+    assert frames[-1].startswith("step 4/4") and "loss=1.0000" in frames[-1]
+    assert bar.thread_cpu_s >= 0.0
+
+
+def test_phase_announces_its_start_and_time(caplog: pytest.LogCaptureFixture):
+    logger = logging.getLogger("meshtrain.test")
+    with (
+        caplog.at_level(logging.INFO, logger="meshtrain.test"),
+        phase(logger, "compiling the train step", "compiled the train step"),
+    ):
+        assert [r.getMessage() for r in caplog.records] == ["compiling the train step..."]
+    assert re.fullmatch(r"compiled the train step in \d+\.\d s", caplog.records[-1].getMessage())
