@@ -9,10 +9,12 @@ import tempfile
 
 from helpers.process import FAST_COMPILE  # the standard library only: JAX is not loaded yet
 
+from meshtrain.distributed.xla_flags import with_cpu_collective_timeouts  # the same
+
 # Must happen before jax initialises its backend (i.e. before any test imports jax).
-os.environ["XLA_FLAGS"] = (
+os.environ["XLA_FLAGS"] = with_cpu_collective_timeouts(
     f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE} --xla_force_host_platform_device_count=8"
-).strip()
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Most test launches compile the same few small programs: a compilation cache shared by this
 # session's processes (and inherited by the subprocesses) compiles each of them once. A fresh

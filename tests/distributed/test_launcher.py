@@ -66,7 +66,18 @@ def test_process_env_sets_ranks_and_devices():
         "WORLD_SIZE": "8",
         "LOCAL_WORLD_SIZE": "4",
     }
-    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2"
+    assert env["XLA_FLAGS"] == (
+        "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2 "
+        "--xla_cpu_collective_call_warn_stuck_timeout_seconds=600 "
+        "--xla_cpu_collective_call_terminate_timeout_seconds=86400 "
+        "--xla_cpu_collective_timeout_seconds=86400"
+    )
+    mine = {"XLA_FLAGS": "--xla_cpu_collective_timeout_seconds=5"}  # the user's own value wins
+    env = process_env(
+        mine, plan, local_rank=0, nprocs=4, devices_per_process=2, platform="cpu", run_id="r"
+    )
+    assert env["XLA_FLAGS"].count("xla_cpu_collective_timeout_seconds") == 1
+    assert "--xla_cpu_collective_timeout_seconds=5" in env["XLA_FLAGS"]
     assert (env["JAX_PLATFORMS"], env["MESHTRAIN_RUN_ID"]) == ("cpu", "r")
     gpu = process_env(
         {}, plan, local_rank=1, nprocs=4, devices_per_process=2, platform="gpu", run_id="r"
@@ -79,7 +90,7 @@ SCRIPT = """
 import os, signal, sys, time
 rank = int(os.environ["RANK"])
 print("env", rank, os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"],
-      os.environ["MESHTRAIN_RUN_ID"], os.environ["XLA_FLAGS"], sys.argv[1:], flush=True)
+      os.environ["MESHTRAIN_RUN_ID"], os.environ["XLA_FLAGS"].split()[0], sys.argv[1:], flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 mode = sys.argv[1]
 if mode == "gloo":  # Gloo's chatter: a line of its own, and one inside another line

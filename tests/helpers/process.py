@@ -1,8 +1,8 @@
 """Child processes as a user starts them: `python run_training.py ...`, `python -m meshtrain.X`,
 `python -m meshtrain.launch ...`, each with its own faked CPU device count.
 
-Imports nothing but the standard library (and helpers.paths): tests/conftest.py reads FAST_COMPILE from here before
-it sets up JAX's environment.
+Imports nothing but the standard library (and helpers.paths and meshtrain.distributed.xla_flags):
+tests/conftest.py reads FAST_COMPILE from here before it sets up JAX's environment.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from helpers.paths import REPO
+from meshtrain.distributed.xla_flags import with_cpu_collective_timeouts
 
 # The tests compile far more than they compute: without XLA's expensive CPU optimisations the
 # compiles take half the time (the losses agree to the digits the docs print). Both sides of
@@ -23,7 +24,9 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 def subprocess_env(num_devices: int = 8) -> dict[str, str]:
     """Environment for a child `python run_training.py`: its own faked device count."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"{FAST_COMPILE} --xla_force_host_platform_device_count={num_devices}"
+    env["XLA_FLAGS"] = with_cpu_collective_timeouts(
+        f"{FAST_COMPILE} --xla_force_host_platform_device_count={num_devices}"
+    )
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("HYDRA_FULL_ERROR", None)
     return env

@@ -19,7 +19,7 @@ import os
 import pkgutil
 import shutil
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -32,6 +32,7 @@ from meshtrain.cli.exit import EXIT_NONFINITE, fail
 from meshtrain.config.hydra import register_configs, to_config, unknown_key_message
 from meshtrain.config.schema import AUTO_CACHE, cache_dir
 from meshtrain.distributed.environment import register_run_dir_resolvers
+from meshtrain.distributed.xla_flags import merge_xla_flags
 from meshtrain.errors import ConfigError, DistributedError, did_you_mean
 from meshtrain.units import MIB
 
@@ -87,18 +88,6 @@ DEFAULT_XLA_GPU_FLAGS: dict[str, str] = {
     "xla_gpu_reduce_scatter_combine_threshold_bytes": str(64 * MIB),
 }
 _GPU_PLATFORMS = ("cuda", "gpu", "rocm")
-
-
-def _flag_name(token: str) -> str:
-    return token.lstrip("-").split("=", 1)[0]
-
-
-def merge_xla_flags(existing: str, defaults: Mapping[str, str]) -> str:
-    """`existing` (an XLA_FLAGS value) followed by `--name=value` for each default whose name it
-    does not set (with any value, or bare): a flag the user set always wins."""
-    named = {_flag_name(t) for t in existing.split() if t.startswith("-")}
-    added = [f"--{name}={value}" for name, value in defaults.items() if name not in named]
-    return " ".join([existing.strip(), *added]).strip()
 
 
 def _gpu_plugin_installed() -> bool:

@@ -6,13 +6,19 @@ import os
 
 import jax
 
+from meshtrain.distributed.xla_flags import FAKE_DEVICE_COUNT, raise_cpu_collective_timeouts
 from meshtrain.errors import ConfigError
 
 
 def use_fake_cpu_devices(count: int | None) -> None:
-    """Makes JAX see `count` CPU devices (plan.fake_devices); must run before JAX starts."""
+    """Makes JAX see `count` CPU devices (plan.fake_devices); must run before JAX starts. With
+    faked devices (these, or XLA_FLAGS=--xla_force_host_platform_device_count=N), XLA's CPU
+    collective timeouts are raised (distributed.xla_flags)."""
     if count is None:
+        if FAKE_DEVICE_COUNT.search(os.environ.get("XLA_FLAGS", "")):
+            raise_cpu_collective_timeouts()
         return
+    raise_cpu_collective_timeouts()
     os.environ["JAX_PLATFORMS"] = "cpu"
     try:
         jax.config.update("jax_platforms", "cpu")

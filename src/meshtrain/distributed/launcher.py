@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from meshtrain.distributed.environment import RUN_ID_VAR, TORCHRUN_VARS, env_int
+from meshtrain.distributed.xla_flags import with_cpu_collective_timeouts
 from meshtrain.errors import ConfigError
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
@@ -146,7 +147,7 @@ def process_env(
     if platform == "cpu":
         flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
         flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
-        env["XLA_FLAGS"] = " ".join(flags)
+        env["XLA_FLAGS"] = with_cpu_collective_timeouts(" ".join(flags))
         env["JAX_PLATFORMS"] = "cpu"
     else:
         first = local_rank * devices_per_process
