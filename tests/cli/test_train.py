@@ -25,8 +25,9 @@ from helpers.process import assert_one_line_error, run_training, subprocess_env
         ),
         ("model.mesh_shape=[[4,2,1],[fsdp,tp]]", "has 3 sizes but 2 axis names"),
         (
-            "model.mesh_shape=[[8,1],[tp,fsdp]]",
-            "tp=8 in model.mesh_shape does not divide model.num_kv_heads=4; use tp in {1, 2, 4}",
+            "model.mesh_shape=[[8,1],[tp,fsdp]] model.num_heads=4 model.num_kv_heads=2",
+            "tp=8 in model.mesh_shape does not divide model.num_heads=4; model tiny has 4 query "
+            "heads and 2 key/value head(s); use tp in {1, 2, 4}",
         ),
         (
             "model.mesh_shape=[[8,1],[fsdp,tp]] training.global_batch_size=12",
@@ -59,8 +60,6 @@ from helpers.process import assert_one_line_error, run_training, subprocess_env
 )
 def test_bad_input_is_one_line_and_exit_code_2(override, expected, tmp_path):
     overrides = override.split(" ")
-    if "num_kv_heads=4" in expected:
-        overrides.append("model.num_kv_heads=4")
     run_dir = tmp_path / "outputs" / "tiny" / "2026-01-31" / "12-00-00"
     result = run_training(*overrides, f"hydra.run.dir={run_dir}", timeout=120)
     assert_one_line_error(result, expected)

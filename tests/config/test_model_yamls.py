@@ -76,12 +76,13 @@ def test_a_checkpoint_of_another_model_names_the_first_differing_field():
         check_matches(scaled, _published("gemma3_4b"), "config.json")
 
 
-def test_tp_must_divide_the_key_value_heads_of_gemma3_1b():
+def test_gemma3_1b_takes_tp_beyond_its_one_key_value_head_but_not_beyond_its_query_heads():
     cfg = compose_config("model=gemma3_1b")
+    check_against_mesh(cfg, parse_mesh_shape([[4, 2], ["fsdp", "tp"]], 8))  # K/V replicated
     with pytest.raises(ConfigError) as err:
-        check_against_mesh(cfg, parse_mesh_shape([[4, 2], ["fsdp", "tp"]], 8))
+        check_against_mesh(cfg, parse_mesh_shape([[1, 8], ["fsdp", "tp"]], 8))
     assert str(err.value) == (
-        "tp=2 in model.mesh_shape does not divide model.num_kv_heads=1; use tp in {1} "
-        "(divisors of model.num_heads=4, model.num_kv_heads=1, model.mlp_dim=6912, "
-        "model.vocab_size=262144)"
+        "tp=8 in model.mesh_shape does not divide model.num_heads=4; model gemma3_1b has 4 query "
+        "heads and 1 key/value head(s); use tp in {1, 2, 4} (divisors of model.num_heads=4, "
+        "model.mlp_dim=6912, model.vocab_size=262144)"
     )

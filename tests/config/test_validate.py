@@ -41,12 +41,8 @@ def test_check_config_errors(overrides, message):
         (
             ["model.num_heads=18", "model.num_kv_heads=6"],
             [[2, 4], ["fsdp", "tp"]],
-            "tp=4 in model.mesh_shape does not divide model.num_heads=18; use tp in {1, 2}",
-        ),
-        (
-            ["model.num_heads=12", "model.num_kv_heads=6"],
-            [[2, 4], ["fsdp", "tp"]],
-            "tp=4 in model.mesh_shape does not divide model.num_kv_heads=6; use tp in {1, 2}",
+            "tp=4 in model.mesh_shape does not divide model.num_heads=18; model tiny has 18 query "
+            "heads and 6 key/value head(s); use tp in {1, 2}",
         ),
         (
             ["model.mlp_dim=500"],
@@ -65,6 +61,12 @@ def test_tp_must_divide_the_sharded_dimensions(overrides, mesh, message):
     with pytest.raises(ConfigError) as err:
         check_against_mesh(cfg, parse_mesh_shape(mesh, 8))
     assert message in str(err.value)
+
+
+def test_tp_need_not_divide_the_key_value_heads():
+    """They are replicated over tp instead (models.abstract.fit_kv_heads)."""
+    cfg = compose_config("model.num_heads=12", "model.num_kv_heads=6")
+    check_against_mesh(cfg, parse_mesh_shape([[2, 4], ["fsdp", "tp"]], 8))
 
 
 @pytest.mark.parametrize(

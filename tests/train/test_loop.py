@@ -62,6 +62,30 @@ def test_same_seed_same_losses_on_every_mesh(mesh_shape, micro, devices, referen
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_more_tp_ranks_than_key_value_heads_give_the_same_losses(kv_heads, tmp_path):
+    """Key/value heads replicated over tp ([[4,2]] for 1 head, [[1,8]] for both): the losses
+    of one device."""
+    heads = (f"model.num_kv_heads={kv_heads}",)
+    one = _losses(
+        train_tiny(tmp_path / "one", *heads, "training.micro_batch_size=8", *FAST, devices=1)
+    )
+    meshes = [("[[1,8],[fsdp,tp]]", 8)] + ([("[[4,2],[fsdp,tp]]", 2)] if kv_heads == 1 else [])
+    for mesh_shape, micro in meshes:
+        result = train_tiny(
+            tmp_path / mesh_shape,
+            *heads,
+            f"model.mesh_shape={mesh_shape}",
+            f"training.micro_batch_size={micro}",
+            *FAST,
+        )
+        q, k = (result.setup.model.param_shardings["blocks"][0]["attn"][n].spec for n in "qk")
+        assert q[1] == "tp" and k[1] is None  # query heads split, key/value heads whole
+        np.testing.assert_allclose(_losses(result), one, rtol=1e-5)
+        log = (tmp_path / mesh_shape / "train.log").read_text()
+        assert f"does not divide model.num_kv_heads={kv_heads}: the key/value projections" in log
+
+
 def test_reference_run_on_one_device(reference_losses):
     # Untrained, the model is near uniform over 384 ids: loss ≈ ln(384) = 5.95.
     assert abs(reference_losses[0] - math.log(384)) < 0.1

@@ -214,21 +214,26 @@ def check_against_mesh(cfg: Config, mesh: MeshSpec) -> None:
         "mlp_dim": (model.mlp_dim, "mlp"),
         "vocab_size": (model.vocab_size, "vocab"),
     }
+    if mesh_axes_for("kv_heads", rules) == mesh_axes_for("heads", rules):
+        # More tp ranks than key/value heads: they are replicated (models.abstract.fit_kv_heads).
+        del tp_dims["num_kv_heads"]
     for key, (dim, logical) in tp_dims.items():
         axes = mesh_axes_for(logical, rules)
         shards = mesh.size(*axes)
         if dim % shards:
             names = "×".join(axes)
-            sharded = [d for d, lg in tp_dims.values() if mesh_axes_for(lg, rules) == axes]
-            options = ", ".join(str(d) for d in _divisors_of_all(sharded))
+            split = {k: d for k, (d, lg) in tp_dims.items() if mesh_axes_for(lg, rules) == axes}
+            options = ", ".join(str(d) for d in _divisors_of_all(list(split.values())))
+            heads = (
+                f"; model {model.name} has {model.num_heads} query heads and "
+                f"{model.num_kv_heads} key/value head(s)"
+                if key == "num_heads"
+                else ""
+            )
             raise ConfigError(
-                f"{names}={shards} in model.mesh_shape does not divide model.{key}={dim}; "
+                f"{names}={shards} in model.mesh_shape does not divide model.{key}={dim}{heads}; "
                 f"use {names} in {{{options}}} (divisors of "
-                + ", ".join(
-                    f"model.{k}={d}"
-                    for k, (d, lg) in tp_dims.items()
-                    if mesh_axes_for(lg, rules) == axes
-                )
+                + ", ".join(f"model.{k}={d}" for k, d in split.items())
                 + ")"
             )
 

@@ -8,6 +8,7 @@ shardings, and `merge_model` turns a tree of arrays back into a callable module.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from meshtrain.config.schema import ModelConfig
 from meshtrain.models.attention import check_attention
 from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.mesh import MeshSpec
-from meshtrain.parallel.rules import check_divisible, named_shardings, param_specs
+from meshtrain.parallel.rules import check_divisible, mesh_axes_for, named_shardings, param_specs
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,40 @@ class AbstractModel:
     config: ModelConfig | None = None  # what it was built from
 
 
+def replicated_kv_heads(cfg: ModelConfig, mesh_spec: MeshSpec) -> str | None:
+    """Why `cfg`'s key/value heads are replicated on this mesh (a log line), or None when the
+    mesh axes of `kv_heads` (tp) divide model.num_kv_heads. Gemma 3 1B has 1 key/value head;
+    Llama 3 8B has 8, for 16 tp ranks on two 8-GPU nodes."""
+    rules = cfg.logical_axis_rules
+    axes = mesh_axes_for("kv_heads", rules)
+    shards = mesh_spec.size(*axes)
+    if cfg.num_kv_heads % shards == 0:
+        return None
+    names = "×".join(axes)
+    per_rank = cfg.num_heads // mesh_spec.size(*mesh_axes_for("heads", rules))
+    return (
+        f"{names}={shards} does not divide model.num_kv_heads={cfg.num_kv_heads}: the key/value "
+        f"projections are replicated over {names}, and each rank repeats the key/value heads "
+        f"its {per_rank} query heads read"
+    )
+
+
+def fit_kv_heads(cfg: ModelConfig, mesh_spec: MeshSpec) -> ModelConfig:
+    """`cfg`, with its key/value heads replicated when the mesh cannot split them
+    (replicated_kv_heads): the key and value projections are then whole on every tp rank, and
+    each rank repeats the key/value heads its query heads read (models.layers.Attention). Query
+    heads, the MLP and the vocabulary stay sharded."""
+    if replicated_kv_heads(cfg, mesh_spec) is None:
+        return cfg
+    return dataclasses.replace(cfg, logical_axis_rules={**cfg.logical_axis_rules, "kv_heads": None})
+
+
 def abstract_model(cfg: ModelConfig, mesh: Mesh, mesh_spec: MeshSpec) -> AbstractModel:
     """Abstract init (shapes only) plus the logical rules → shardings; checks even division
-    and that model.attention can run on the mesh's devices."""
+    and that model.attention can run on the mesh's devices. Key/value heads that the mesh
+    cannot split are replicated (fit_kv_heads)."""
     check_attention(cfg.attention, mesh.devices.flat[0])
+    cfg = fit_kv_heads(cfg, mesh_spec)
     shapes_only = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(shapes_only, nnx.Param)
     specs = nnx.to_pure_dict(param_specs(abstract_state, cfg.logical_axis_rules))

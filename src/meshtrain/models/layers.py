@@ -17,7 +17,7 @@ from flax import nnx
 
 from meshtrain.config.schema import RopeScaling
 from meshtrain.models.attention import AttentionKernel, dot_product_attention
-from meshtrain.parallel.rules import Rules, constrain
+from meshtrain.parallel.rules import Rules, constrain, mesh_axes_for
 
 
 def normal_param(
@@ -205,6 +205,17 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, sin, cos)
         k = apply_rope(k, sin, cos)
+        if mesh_axes_for("kv_heads", self.rules) != mesh_axes_for("heads", self.rules):
+            # Key/value heads replicated while the query heads are split (more tp ranks than
+            # key/value heads, models.abstract.fit_kv_heads): repeat each for its G query heads,
+            # so that each rank holds exactly the ones its query heads read.
+            groups = self.num_heads // self.num_kv_heads
+            k = constrain(
+                jnp.repeat(k, groups, axis=2), ("batch", "length", "heads", None), self.rules
+            )
+            v = constrain(
+                jnp.repeat(v, groups, axis=2), ("batch", "length", "heads", None), self.rules
+            )
         # Query head n reads key/value head n // G (G = N / K), so the tp sharding of the heads
         # keeps each group on the device of its key/value head.
         out = dot_product_attention(

@@ -23,7 +23,7 @@ from meshtrain.config.validate import check_against_mesh, check_config, micro_ba
 from meshtrain.data import TokenDataset, build_dataset
 from meshtrain.distributed.runtime import process_hosts
 from meshtrain.errors import ConfigError
-from meshtrain.models.abstract import AbstractModel, abstract_model
+from meshtrain.models.abstract import AbstractModel, abstract_model, replicated_kv_heads
 from meshtrain.observe.communication import CommunicationReport, account_collectives
 from meshtrain.observe.flops import train_flops_per_step
 from meshtrain.observe.memory_plan import MemoryPlan, device_capacity, memory_plan
@@ -126,6 +126,9 @@ def describe(setup: Setup) -> None:
         jax.process_count(),
     )
     log.info("model %s: %s parameters", cfg.model.name, f"{num_params:,}")
+    kv_note = replicated_kv_heads(cfg.model, setup.mesh_spec)
+    if kv_note:
+        log.info(kv_note)
     log.info(
         "global batch %d sequences × %d tokens (micro_batch_size %d × %d batch shards × %d accumulation steps)",
         setup.global_batch,
