@@ -207,6 +207,7 @@ def test_launcher_bad_input_is_one_line_and_exit_code_2():
     ]
 
 
+@pytest.mark.slow  # 27 s; two processes train in the default set below
 def test_two_processes_match_one_process_on_every_mesh(tmp_path):
     """[[8,1]], [[4,2]] and a dp mesh, swept in one launch (Hydra multirun) so that the
     processes start once; the 1-process × 8-device reference runs at the same time."""

@@ -9,6 +9,7 @@ Lines starting with anything else (`timeout ...`, for trying by hand) and ```tex
 import json
 import subprocess
 
+import pytest
 from helpers.docs import fenced_blocks
 from helpers.paths import REPO
 from helpers.process import FAST_COMPILE, subprocess_env
@@ -41,6 +42,7 @@ def first_loss(run_dir) -> float:
     return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["loss"]
 
 
+@pytest.mark.slow  # 27 s; tests/checkpoint covers each step
 def test_checkpointing_doc_commands_run_in_order(tmp_path):
     (tmp_path / "run_training.py").symlink_to(REPO / "run_training.py")
     (tmp_path / "configs").symlink_to(REPO / "configs")

@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 
+import pytest
 from helpers.docs import ENTRY, ERROR_PREFIX, RUN_OVERRIDES, fenced_blocks
 from helpers.paths import REPO
 from helpers.process import subprocess_env
@@ -37,6 +38,7 @@ def _steps() -> list[tuple[str, str, str | None]]:
     return steps
 
 
+@pytest.mark.slow  # 19 s on 2 cores
 def test_the_walkthrough_runs_as_documented(tmp_path):
     steps = _steps()
     assert sum(kind == "bash" for kind, _, _ in steps) >= 7
