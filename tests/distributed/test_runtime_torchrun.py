@@ -1,4 +1,4 @@
-"""`run_training.py` under the real torchrun (torch's, from the test extra): the design docs'
+"""`run_training.py` under the real torchrun (torch's, from the `parity` extra): the design docs'
 commands on one machine and on two (two agents on loopback), a killed process, a restart, and
 the elastic node count meshtrain refuses. Faked CPU devices, gloo collectives."""
 
@@ -25,6 +25,7 @@ from meshtrain.checkpoint import committed_steps
 from meshtrain.distributed.launcher import free_port
 
 ENTRY = str(REPO / "run_training.py")
+pytest.importorskip("torch")  # torchrun is torch's; skipped where the parity extra is missing
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
 
 

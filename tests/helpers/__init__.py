@@ -4,5 +4,6 @@ paths: the repository and its configs. config: the typed config of a command lin
 child processes (`python run_training.py`, `python -m meshtrain.launch`) with faked devices.
 runs: tiny training runs in-process and the metrics they write. docs: the fenced blocks and
 commands of the Markdown docs. tiny_model: the tiny model's parameter counts. tiny_hf,
-tiny_tokenizers: small Hugging Face models and tokenizers made on the spot.
+tiny_tokenizers: small Hugging Face checkpoints (with transformers' committed numbers) and
+tokenizers made on the spot; tiny_hf_torch: the same checkpoints in transformers (needs torch).
 """

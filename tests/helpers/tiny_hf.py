@@ -1,22 +1,36 @@
-"""Tiny random-weight Hugging Face models of each family (transformers, PyTorch, CPU), saved with
-save_pretrained, and the meshtrain overrides that describe the same architecture.
+"""Tiny random-weight Hugging Face checkpoints of each family, and transformers' own numbers for
+them, with no torch: the weights come from numpy with a fixed seed, and the reference numbers
+were computed by transformers and committed under tests/fixtures/hf/ (made by
+scripts/make_reference_fixtures.py; tests/hf/test_interop_live.py, marked slow, recomputes them
+with transformers and compares).
 
 Each is the family's real model config (configs/model/*.yaml) shrunk to hidden 64 and vocab 512;
 the Gemma one has 7 layers (5 local with a 16-token window, 1 global, 1 local), so sequences of
 40 tokens cross the window; its global layers use linear RoPE scaling like Gemma 3 4B-27B, and
 its attention scale 1/sqrt(24) is not 1/sqrt(head_dim), like Gemma 3 27B's.
+
+fixtures/hf/<family>/: config.json and tensors.json (each safetensors file of the checkpoint
+with its tensors' names and shapes, as save_pretrained wrote them) and reference.npz.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from safetensors.numpy import save_file
+
+from helpers.config import compose_config
+from helpers.paths import REPO
+from meshtrain.config import Config
 
 VOCAB = 512
 SEQ_LEN = 40
+FIXTURES = REPO / "tests" / "fixtures" / "hf"
+# The tokens of the logit comparisons: [2, SEQ_LEN], longer than Gemma's window.
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, SEQ_LEN))
 _SHAPE = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -95,34 +109,76 @@ SPECS: dict[str, tuple[dict, tuple[str, ...]]] = {
 FAMILIES = tuple(SPECS)
 
 
-def build(family: str, seed: int = 0) -> PreTrainedModel:
-    """A random-weight model; norms are randomised too (around 1, or around 0 for Gemma's
-    1 + w), so that a misplaced or swapped tensor changes the logits."""
-    config = AutoConfig.for_model(**SPECS[family][0])
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            noise = torch.randn(parameter.shape, generator=generator)
-            if parameter.ndim == 1:
-                parameter.copy_((0.0 if family == "gemma3" else 1.0) + 0.2 * noise)
+def weights(family: str) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors by Hugging Face name, from numpy's generator seeded by the
+    family: 1-D ones (norms) around 1, or around 0 for Gemma's 1 + w, so that a misplaced or
+    swapped tensor changes the logits; the others 0.08 × N(0, 1)."""
+    rng = np.random.default_rng([0, FAMILIES.index(family)])
+    layout = json.loads((FIXTURES / family / "tensors.json").read_text())
+    tensors = {}
+    for _, entries in layout.items():
+        for name, shape in entries:
+            noise = rng.standard_normal(shape, dtype=np.float32)
+            if len(shape) == 1:
+                tensors[name] = (0.0 if family == "gemma3" else 1.0) + 0.2 * noise
             else:
-                parameter.copy_(0.08 * noise)
-    return model
+                tensors[name] = 0.08 * noise
+    return tensors
 
 
-def save(family: str, directory: Path, **save_kwargs) -> PreTrainedModel:
-    model = build(family)
-    model.save_pretrained(directory, **save_kwargs)
-    return model
+def write_checkpoint(family: str, directory: Path) -> Path:
+    """The family's checkpoint in `directory`, as save_pretrained wrote it (Gemma's in several
+    files with a model.safetensors.index.json)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    source = FIXTURES / family
+    layout = json.loads((source / "tensors.json").read_text())
+    tensors = weights(family)
+    for file, entries in layout.items():
+        save_file({name: tensors[name] for name, _ in entries}, directory / file)
+    for extra in ("config.json", "model.safetensors.index.json"):
+        if (source / extra).is_file():
+            shutil.copyfile(source / extra, directory / extra)
+    return directory
 
 
-def logits(model: PreTrainedModel, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
+def reference(family: str) -> dict[str, np.ndarray]:
+    """transformers' numbers for the family's checkpoint: `logits` [2, SEQ_LEN, VOCAB] of
+    TOKENS (and `logits_reversed` of TOKENS[:, ::-1]), and `loss` and `grad_norm` on the batch
+    of step 1 of run_config's run (step_one_batch)."""
+    with np.load(FIXTURES / family / "reference.npz") as data:
+        return dict(data)
 
 
 def overrides(family: str, directory: Path) -> tuple[str, ...]:
     return (*SPECS[family][1], f"model.init_from=hf:{directory}")
+
+
+def run_config(family: str, directory: Path, *extra: str) -> Config:
+    """A one-device run on synthetic data of SEQ_LEN tokens from the checkpoint in `directory`."""
+    return compose_config(
+        *overrides(family, directory),
+        "data=synthetic",
+        f"data.seq_len={SEQ_LEN}",
+        "model.mesh_shape=[[1,1],[fsdp,tp]]",
+        *extra,
+    )
+
+
+STEP_ONE = ("training.steps=1", "training.warmup_steps=1", "training.eval_every=0")
+STEP_ONE_BATCH = 4  # training.micro_batch_size of the one-step runs
+
+
+def step_one_batch(cfg: Config) -> np.ndarray:
+    """[STEP_ONE_BATCH, SEQ_LEN + 1]: the batch of step 1 of a run of `cfg`, as its iterator
+    produces it."""
+    from meshtrain.data import BatchIterator, build_dataset
+
+    data = build_dataset(cfg.data, split="train", vocab_size=cfg.model.vocab_size)
+    iterator = BatchIterator(
+        data,
+        global_batch=STEP_ONE_BATCH,
+        accum_steps=1,
+        rows=slice(0, STEP_ONE_BATCH),
+        seed=cfg.training.seed,
+    )
+    return next(iterator)[0]
