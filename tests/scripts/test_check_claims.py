@@ -1,0 +1,62 @@
+"""scripts/check_claims.py, without timing anything: every claim it measures is still stated in
+its document, with the number it checks, and README.md states no time it does not measure."""
+
+import importlib.util
+import re
+import sys
+
+import pytest
+from helpers.paths import REPO
+
+spec = importlib.util.spec_from_file_location("check_claims", REPO / "scripts/check_claims.py")
+check_claims = importlib.util.module_from_spec(spec)
+sys.modules["check_claims"] = check_claims  # dataclasses look their module up there
+spec.loader.exec_module(check_claims)
+
+TIME = re.compile(r"\b\d+(?:\.\d+)?(?: to \d+(?:\.\d+)?)?\s?(?:s|min|minutes|seconds)\b")
+
+
+def _prose(text: str) -> str:
+    """The text with code blocks blanked out (their lengths kept) and whitespace as spaces."""
+    text = re.sub(r"```.*?```", lambda m: " " * len(m.group()), text, flags=re.DOTALL)
+    return re.sub(r"\s", " ", text)
+
+
+def _spans(doc: str) -> list[tuple[int, int]]:
+    text = _prose((REPO / doc).read_text())
+    spans = []
+    for claim in check_claims.CLAIMS:
+        if claim.doc == doc:
+            words = " ".join(claim.words.split())
+            start = text.find(words)
+            spans.append((start, start + len(words)))
+    return spans
+
+
+@pytest.mark.parametrize("claim", check_claims.CLAIMS, ids=lambda c: c.words[:30])
+def test_each_claim_is_stated_in_its_document_with_its_number(claim):
+    text = " ".join((REPO / claim.doc).read_text().split())
+    words = " ".join(claim.words.split())
+    assert words in text, f"{claim.doc} no longer says {words!r}: update scripts/check_claims.py"
+    numbers = [float(n) for n in re.findall(r"\d+(?:\.\d+)?", words)]
+    ranges = [(float(a) + float(b)) / 2 for a, b in re.findall(r"(\d+) to (\d+)", words)]
+    assert claim.claimed in numbers + ranges  # "12 to 15 minutes" is checked against 13.5
+    assert claim.measure in check_claims.MEASURES
+    assert claim.group in ("quick", "all", "suite")
+
+
+def test_readme_states_no_time_the_script_does_not_measure():
+    text = _prose((REPO / "README.md").read_text())
+    spans = _spans("README.md")
+    assert all(start >= 0 for start, _ in spans)
+    unmeasured = [
+        m.group()
+        for m in TIME.finditer(text)
+        if not any(start <= m.start() and m.end() <= end for start, end in spans)
+    ]
+    assert unmeasured == [], "times in README.md without a claim in scripts/check_claims.py"
+
+
+def test_a_claim_holds_within_a_factor_of_one_and_a_half():
+    assert check_claims.holds(20, 29.9) and check_claims.holds(20, 13.4)
+    assert not check_claims.holds(20, 30.1) and not check_claims.holds(20, 13.3)
