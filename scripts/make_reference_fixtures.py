@@ -6,10 +6,11 @@ transformers, so that those tests need no torch.
 For each family of tests/helpers/tiny_hf.py (llama, qwen3, gemma3): the checkpoint's
 config.json and tensor layout as save_pretrained writes them (Gemma's split into several files),
 and reference.npz with transformers' logits of tiny_hf.TOKENS and its loss and gradient norm on
-the batch of a run's step 1, for the numpy weights of tiny_hf.weights. Also
-parameter_counts.json: the parameters of transformers' model of each published config in
-tests/hf_configs/ (built on the meta device). tests/hf/test_interop_live.py (slow) recomputes all
-of it and compares.
+the batch of a run's step 1 (and, for Llama, its greedy generation of tiny_hf.PROMPT), for the
+numpy weights of tiny_hf.weights. Also inputs.json: tiny_hf.fingerprint of those inputs, which a
+default test compares with what the tests use now; and parameter_counts.json: the parameters of
+transformers' model of each published config in tests/hf_configs/ (built on the meta device).
+tests/hf/test_interop_live.py (slow) recomputes all of it and compares.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def parameter_counts() -> dict[str, int]:
 
 def main() -> None:
     torch.manual_seed(0)
+    inputs = {}
     for family in tiny_hf.FAMILIES:
         out = tiny_hf.FIXTURES / family
         shutil.rmtree(out, ignore_errors=True)
@@ -74,7 +76,9 @@ def main() -> None:
             checkpoint = tiny_hf.write_checkpoint(family, Path(directory))
             numbers = tiny_hf_torch.reference(family, checkpoint)
         np.savez_compressed(out / "reference.npz", **numbers)
+        inputs[family] = tiny_hf.fingerprint(family)
         print(f"{family}: {', '.join(numbers)}")
+    (tiny_hf.FIXTURES / "inputs.json").write_text(json.dumps(inputs, indent=1) + "\n")
     counts = json.dumps(parameter_counts(), indent=1) + "\n"
     (tiny_hf.FIXTURES / "parameter_counts.json").write_text(counts)
 

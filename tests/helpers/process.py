@@ -81,7 +81,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
 
 
 def torchrun(*args: str) -> list[str]:
-    """The command line of the real `torchrun <args>` (torch's, from the test extra), for
+    """The command line of the real `torchrun <args>` (torch's, from the parity extra), for
     subprocess.Popen; `python -m torch.distributed.run` where no torchrun script is installed."""
     script = Path(sys.executable).parent / "torchrun"
     if script.is_file():

@@ -11,10 +11,13 @@ its attention scale 1/sqrt(24) is not 1/sqrt(head_dim), like Gemma 3 27B's.
 
 fixtures/hf/<family>/: config.json and tensors.json (each safetensors file of the checkpoint
 with its tensors' names and shapes, as save_pretrained wrote them) and reference.npz.
+fixtures/hf/inputs.json: a fingerprint of what transformers was given (fingerprint), so that a
+default test can tell stale fixtures from a meshtrain bug without torch.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -31,6 +34,10 @@ SEQ_LEN = 40
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
 # The tokens of the logit comparisons: [2, SEQ_LEN], longer than Gemma's window.
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, SEQ_LEN))
+# Greedy generation from the Llama checkpoint with helpers.tiny_tokenizers.train_bpe's tokenizer
+# of at most VOCAB tokens (tests/inference/test_generate.py).
+PROMPT = "def function_5(value):"
+NEW_TOKENS = 12
 _SHAPE = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -144,9 +151,27 @@ def write_checkpoint(family: str, directory: Path) -> Path:
 def reference(family: str) -> dict[str, np.ndarray]:
     """transformers' numbers for the family's checkpoint: `logits` [2, SEQ_LEN, VOCAB] of
     TOKENS (and `logits_reversed` of TOKENS[:, ::-1]), and `loss` and `grad_norm` on the batch
-    of step 1 of run_config's run (step_one_batch)."""
+    of step 1 of run_config's run (step_one_batch); for Llama also `prompt_ids` ([bos] + PROMPT
+    in train_bpe's tokenizer) and `greedy_ids`, the NEW_TOKENS ids its
+    generate(do_sample=False) picks after them."""
     with np.load(FIXTURES / family / "reference.npz") as data:
         return dict(data)
+
+
+def fingerprint(family: str) -> dict:
+    """What transformers was given for reference(family): moments of the weights (compared with
+    a tolerance: numpy's float32 normals may differ by an ulp between C libraries, and then the
+    fixtures still hold) and sha256 of the integer inputs (TOKENS, step_one_batch)."""
+    flat = np.concatenate([w.ravel() for w in weights(family).values()]).astype(np.float64)
+    ramp = np.arange(flat.size) % 1000 / 1000  # a permuted or shifted stream changes this one
+    cfg = run_config(
+        family, Path("unused"), *STEP_ONE, f"training.micro_batch_size={STEP_ONE_BATCH}"
+    )
+    return {
+        "weights": [float(flat.sum()), float((flat**2).sum()), float((flat * ramp).sum())],
+        "tokens": hashlib.sha256(TOKENS.astype("<i8").tobytes()).hexdigest(),
+        "step_one_batch": hashlib.sha256(step_one_batch(cfg).astype("<i8").tobytes()).hexdigest(),
+    }
 
 
 def overrides(family: str, directory: Path) -> tuple[str, ...]:

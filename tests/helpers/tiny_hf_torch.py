@@ -4,6 +4,7 @@ comparisons and for scripts/make_reference_fixtures.py. Needs the `parity` extra
 from __future__ import annotations
 
 import math
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from helpers import tiny_hf
+from helpers.tiny_tokenizers import train_bpe
+from meshtrain.data import build_tokenizer
 
 
 def load(directory: Path) -> PreTrainedModel:
@@ -49,4 +52,25 @@ def reference(family: str, directory: Path) -> dict[str, np.ndarray]:
     )
     loss, grad_norm = loss_and_grad_norm(model, tiny_hf.step_one_batch(cfg))
     numbers["loss"], numbers["grad_norm"] = np.float64(loss), np.float64(grad_norm)
+    if family == "llama":
+        numbers["prompt_ids"], numbers["greedy_ids"] = greedy(model)
     return numbers
+
+
+def greedy(model: PreTrainedModel) -> tuple[np.ndarray, np.ndarray]:
+    """([bos] + tiny_hf.PROMPT's ids in train_bpe's tokenizer, the tiny_hf.NEW_TOKENS ids
+    transformers' greedy generate picks after them; fewer if it picks eos)."""
+    with tempfile.TemporaryDirectory() as directory:
+        train_bpe(Path(directory), vocab_size=tiny_hf.VOCAB)
+        tokenizer = build_tokenizer(directory)  # as meshtrain reads a checkpoint's directory
+        ids = [tokenizer.bos_id, *tokenizer.encode(tiny_hf.PROMPT).tolist()]
+        output = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=tiny_hf.NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_id,
+            pad_token_id=tokenizer.pad_id,
+            # meshtrain never picks embedding rows past the tokenizer's vocabulary
+            suppress_tokens=list(range(tokenizer.vocab_size, tiny_hf.VOCAB)),
+        )
+    return np.asarray(ids, np.int64), output[0, len(ids) :].numpy().astype(np.int64)

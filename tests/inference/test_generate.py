@@ -1,5 +1,6 @@
-"""Generation: sampling is seeded; `python -m meshtrain.generate` prints the prompt and its
-continuation. (Greedy decoding against transformers' own: tests/hf/test_interop_live.py.)"""
+"""Generation: greedy decoding picks the tokens transformers' own greedy generate picks (its
+committed ids, helpers.tiny_hf; tests/hf/test_interop_live.py, slow, runs transformers itself);
+sampling is seeded; `python -m meshtrain.generate` prints the prompt and its continuation."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from helpers.tiny_tokenizers import train_bpe
 
 import meshtrain
 
-PROMPT = "def function_5(value):"
+PROMPT = tiny_hf.PROMPT
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +26,17 @@ def checkpoint(tmp_path_factory):
 def loaded(checkpoint):
     directory = checkpoint
     return meshtrain.load_hf(directory), meshtrain.build_tokenizer(str(directory))
+
+
+def test_greedy_generation_matches_transformers(loaded):
+    model, tokenizer = loaded
+    theirs = tiny_hf.reference("llama")  # generate(do_sample=False) on the same checkpoint
+    text = meshtrain.generate(model, tokenizer, PROMPT, max_new_tokens=tiny_hf.NEW_TOKENS)
+    ids = [tokenizer.bos_id, *tokenizer.encode(PROMPT).tolist()]
+    assert ids == theirs["prompt_ids"].tolist()  # the prompt transformers was given
+    new_ids = theirs["greedy_ids"].tolist()
+    assert new_ids, "transformers generated nothing"
+    assert text == tokenizer.decode(new_ids)
 
 
 def test_sampling_depends_on_the_seed_only(loaded):
