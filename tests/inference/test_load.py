@@ -1,6 +1,8 @@
 """load_checkpoint and `python -m meshtrain.generate` on a meshtrain checkpoint: the trained
 parameters, on one device or sharded, and the tokenizer the run was trained with."""
 
+import logging
+
 import jax
 import numpy as np
 import pytest
@@ -51,6 +53,21 @@ def test_loads_the_newest_checkpoint_onto_one_device_or_a_mesh(trained):
     np.testing.assert_array_equal(np.asarray(sharded(tokens)), want)  # the same mesh and arrays
     # One device sums in another order: fp32 rounding only.
     np.testing.assert_allclose(np.asarray(alone(tokens)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_call_is_one_compiled_program_per_input_shape(trained, caplog):
+    """Not op by op: the loaded model's call compiles once per shape, then reuses it."""
+    run_dir, _ = trained
+    model = load_checkpoint(run_dir, [[4, 2], ["fsdp", "tp"]])
+    short = np.arange(24, dtype=np.int32).reshape(2, 12)  # [B=2, T=12]
+    long = np.arange(40, dtype=np.int32).reshape(2, 20)  # [B=2, T=20]
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        first = np.asarray(model(short))
+        again = np.asarray(model(short))
+        model(long)
+    compiled = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+    assert len(compiled) == 2 and all("_compiled_call" in m for m in compiled), compiled
+    np.testing.assert_array_equal(first, again)
 
 
 def test_config_and_errors(trained, tmp_path):

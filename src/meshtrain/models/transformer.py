@@ -191,7 +191,14 @@ class Transformer(nnx.Module):
         segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         """tokens, positions (default 0 … T-1), segment_ids (optional: a token attends only to
-        earlier tokens of its own segment): int32 [B, T] → logits [B, T, V]."""
+        earlier tokens of its own segment): int32 [B, T] → logits [B, T, V].
+
+        Called outside a trace (a script, a notebook, the model `meshtrain.load_hf` returns), the
+        call is one compiled program per input shape, on whatever mesh the parameters live on,
+        rather than op-by-op dispatch: that is slow, and on faked CPU devices it can starve the
+        threads of XLA's collectives."""
+        if not isinstance(tokens, jax.core.Tracer):
+            return _compiled_call(self, tokens, positions, segment_ids)
         return self.logits(self.hidden(tokens, positions, segment_ids))
 
     def attention_kernel(self, dtype: jnp.dtype) -> tuple[AttentionKernel, str]:
@@ -287,3 +294,14 @@ class Transformer(nnx.Module):
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         x, _ = jax.lax.scan(layer, x, (stacked, jnp.asarray(kind_index, jnp.int32)))
         return x
+
+
+@nnx.jit
+def _compiled_call(
+    model: Transformer,
+    tokens: jax.Array,
+    positions: jax.Array | None,
+    segment_ids: jax.Array | None,
+) -> jax.Array:
+    """Transformer.__call__ under jit: traced, so it runs the model's ops directly."""
+    return model(tokens, positions, segment_ids)
