@@ -108,18 +108,9 @@ def test_greedy_generation_matches_transformers(tmp_path):
     train_bpe(directory, vocab_size=tiny_hf.VOCAB)
     model, tokenizer = meshtrain.load_hf(directory), meshtrain.build_tokenizer(str(directory))
     text = meshtrain.generate(model, tokenizer, tiny_hf.PROMPT, max_new_tokens=tiny_hf.NEW_TOKENS)
-    ids = [tokenizer.bos_id, *tokenizer.encode(tiny_hf.PROMPT).tolist()]
-    output = tiny_hf_torch.load(directory).generate(
-        torch.tensor([ids]),
-        max_new_tokens=tiny_hf.NEW_TOKENS,
-        do_sample=False,
-        eos_token_id=tokenizer.eos_id,
-        pad_token_id=tokenizer.pad_id,
-        # meshtrain never picks embedding rows past the tokenizer's vocabulary
-        suppress_tokens=list(range(tokenizer.vocab_size, tiny_hf.VOCAB)),
-    )
-    new_ids = output[0, len(ids) :].tolist()
-    assert new_ids, "transformers generated nothing"
+    prompt_ids, new_ids = tiny_hf_torch.greedy(tiny_hf_torch.load(directory))
+    assert prompt_ids.tolist() == [tokenizer.bos_id, *tokenizer.encode(tiny_hf.PROMPT).tolist()]
+    assert len(new_ids), "transformers generated nothing"
     assert text == tokenizer.decode(new_ids)
 
 
