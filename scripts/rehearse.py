@@ -14,8 +14,9 @@ MESH is a model.mesh_shape over --devices faked CPU devices (8). Steps, each tim
 3. train: --steps training steps from `model.init_from=hf:<checkpoint>` on MESH (synthetic data,
    one sequence of --train-tokens per batch shard, `model.scan_layers=true` unless --train-set
    says otherwise), losses finite;
-4. export: the trained parameters exported as a Hugging Face checkpoint, loaded by transformers,
-   whose logits must equal meshtrain's of the trained model.
+4. export: the trained parameters (with --steps 0, the loaded ones: for a model whose training
+   state does not fit in host memory) exported as a Hugging Face checkpoint, loaded by
+   transformers, whose logits must equal meshtrain's of the same parameters.
 
 Prints one line per step and, with --json, one JSON object with the errors, the losses, the
 seconds of each step and the peak resident memory. Needs the `parity` extra (torch, transformers).
@@ -54,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("mesh", help='a model.mesh_shape, e.g. \'[[4,2],["fsdp","tp"]]\'')
     parser.add_argument("--devices", type=int, default=8, help="faked CPU devices (8)")
     parser.add_argument("--tokens", type=int, default=600, help="tokens of the logit check")
-    parser.add_argument("--steps", type=int, default=2, help="training steps (2)")
+    parser.add_argument(
+        "--steps", type=int, default=2, help="training steps (2; 0 exports the loaded weights)"
+    )
     parser.add_argument("--train-tokens", type=int, default=128, help="data.seq_len (128)")
     parser.add_argument(
         "--train-set",
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     import numpy as np
     import torch
+    from flax import nnx
     from transformers import AutoConfig, AutoModelForCausalLM
 
     sys.path.insert(0, str(REPO / "tests"))
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import meshtrain
     from meshtrain.hf.save import export_hf
+    from meshtrain.inference.load import hf_model_config
     from meshtrain.models.abstract import merge_model
     from meshtrain.train.loop import train
 
@@ -120,39 +125,49 @@ def main(argv: list[str] | None = None) -> int:
         del hf_model
         model = meshtrain.load_hf(work / "hf", mesh)
         ours = np.asarray(model(jnp.asarray(tokens, jnp.int32)))
-        del model
         error = _relative_error(ours, theirs)
         report["logits_relative_error"] = error
         failures += [f"logits differ by {error:.2e}"] if error > LOGIT_TOLERANCE else []
         step("logits", start, f"{args.tokens} tokens on {args.mesh}: relative error {error:.2e}")
         del ours, theirs
 
-        start = time.perf_counter()
-        cfg = compose_config(
-            f"model={args.model}",
-            f"model.init_from=hf:{work / 'hf'}",
-            f"model.mesh_shape={args.mesh}",
-            "data=synthetic",
-            f"data.seq_len={args.train_tokens}",
-            f"training.steps={args.steps}",
-            "training.warmup_steps=1",
-            "training.micro_batch_size=1",
-            "training.eval_every=0",
-            "training.log_every=1",
-            *(args.train_set or ["model.scan_layers=true"]),
-        )
-        result = train(cfg, work / "run", devices=jax.devices())
-        losses = [h["loss"] for h in result.history]
+        if args.steps > 0:
+            del model
+            start = time.perf_counter()
+            cfg = compose_config(
+                f"model={args.model}",
+                f"model.init_from=hf:{work / 'hf'}",
+                f"model.mesh_shape={args.mesh}",
+                "data=synthetic",
+                f"data.seq_len={args.train_tokens}",
+                f"training.steps={args.steps}",
+                "training.warmup_steps=1",
+                "training.micro_batch_size=1",
+                "training.eval_every=0",
+                "training.log_every=1",
+                *(args.train_set or ["model.scan_layers=true"]),
+            )
+            result = train(cfg, work / "run", devices=jax.devices())
+            losses = [h["loss"] for h in result.history]
+            failures += [] if all(np.isfinite(losses)) else [f"losses {losses}"]
+            step(
+                "train",
+                start,
+                f"{args.steps} steps, losses {', '.join(f'{x:.4f}' for x in losses)}",
+            )
+            model_cfg, params = result.setup.cfg.model, result.state.params
+            model = merge_model(result.setup.model, params)  # the model as trained
+            del result
+        else:  # --steps 0: the loaded weights go to the export
+            losses = []
+            model_cfg = hf_model_config(work / "hf")
+            params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         report["losses"] = losses
-        failures += [] if all(np.isfinite(losses)) else [f"losses {losses}"]
-        step("train", start, f"{args.steps} steps, losses {', '.join(f'{x:.4f}' for x in losses)}")
 
         start = time.perf_counter()
-        params = result.state.params
-        out = export_hf(params, result.setup.cfg.model, work / "export")
-        trained = merge_model(result.setup.model, params)  # the model as trained
-        ours = np.asarray(trained(jnp.asarray(tokens[:, :256], jnp.int32)))
-        del trained, result, params
+        out = export_hf(params, model_cfg, work / "export")
+        ours = np.asarray(model(jnp.asarray(tokens[:, :256], jnp.int32)))
+        del model, params
         reloaded = AutoModelForCausalLM.from_pretrained(
             out, attn_implementation="eager", dtype=torch.float32
         ).eval()
