@@ -45,6 +45,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from meshtrain.distributed.xla_flags import without_fake_device_count  # standard library only
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "configs"
 WORKLOADS = ("W1", "W2", "W3", "W4")
@@ -74,7 +76,6 @@ W4_MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 # (warm-up steps, timed steps) per workload, normal and --quick.
 STEPS = {"W1": (2, 20), "W2": (2, 10), "W4": (3, 20)}
 QUICK_STEPS = {"W1": (1, 3), "W2": (1, 3), "W4": (2, 5)}
-_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
 # The environment of JAX's persistent compilation cache, which the W3 launches must not inherit.
 _CACHE_ENV = (
     "JAX_COMPILATION_CACHE_DIR",
@@ -130,15 +131,11 @@ def stamp(result: dict[str, Any], argv: list[str]) -> dict[str, Any]:
 # W1, W2, W4: one child process per workload.
 
 
-def _without_device_count(flags: str) -> str:
-    return " ".join(_DEVICE_COUNT_FLAG.sub("", flags).split())
-
-
 def child_env(workload: str) -> dict[str, str]:
     """The child's environment: the caller's XLA_FLAGS without a device count, W1 and W2 on
     that many CPU devices, and no persistent compilation cache (the compile is timed)."""
     env = dict(os.environ)
-    flags = _without_device_count(env.get("XLA_FLAGS", ""))
+    flags = without_fake_device_count(env.get("XLA_FLAGS", ""))
     if workload in DEVICES:
         env["JAX_PLATFORMS"] = "cpu"
         flags = f"{flags} --xla_force_host_platform_device_count={DEVICES[workload]}".strip()
@@ -550,7 +547,7 @@ def w3_env(cache_root: Path) -> dict[str, str]:
     """The caller's environment with meshtrain's caches in `cache_root` and no JAX cache
     settings of its own (the run's defaults apply), on one device."""
     env = {k: v for k, v in os.environ.items() if k not in _CACHE_ENV}
-    flags = _without_device_count(env.get("XLA_FLAGS", ""))
+    flags = without_fake_device_count(env.get("XLA_FLAGS", ""))
     if flags:
         env["XLA_FLAGS"] = flags
     else:

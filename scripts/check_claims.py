@@ -121,13 +121,12 @@ class Measurements:
 
         def run() -> float:
             probe = (
-                "import runpy, sys, time\n"
+                "import runpy, sys\n"
                 "from meshtrain.observe import progress\n"
                 "close = progress.ProgressBar.close\n"
                 "def report(bar):\n"
                 "    close(bar)\n"
-                "    wall = time.perf_counter() - bar._started\n"
-                "    print(f'BAR {100 * bar.thread_cpu_s / wall:.4f}', file=sys.stderr)\n"
+                "    print(f'BAR {bar.cpu_percent:.4f}', file=sys.stderr)\n"
                 "progress.ProgressBar.close = report\n"
                 "sys.argv = ['run_training.py', 'hydra.run.dir=bar']\n"
                 "runpy.run_path('run_training.py', run_name='__main__')\n"

@@ -35,18 +35,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LOGIT_TOLERANCE = 1e-4  # relative to the largest logit, as in tests/hf/test_interop.py
 
 
 def _rss_gib() -> float:
     """Peak resident memory of this process so far, GiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def _relative_error(ours, theirs) -> float:
-    import numpy as np
-
-    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(REPO / "tests"))
     from helpers.config import compose_config
+    from helpers.tiny_hf import LOGIT_TOLERANCE, relative_error  # the tests' logit bound
 
     import meshtrain
     from meshtrain.hf.save import export_hf
@@ -125,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         del hf_model
         model = meshtrain.load_hf(work / "hf", mesh)
         ours = np.asarray(model(jnp.asarray(tokens, jnp.int32)))
-        error = _relative_error(ours, theirs)
+        error = relative_error(ours, theirs)
         report["logits_relative_error"] = error
         failures += [f"logits differ by {error:.2e}"] if error > LOGIT_TOLERANCE else []
         step("logits", start, f"{args.tokens} tokens on {args.mesh}: relative error {error:.2e}")
@@ -173,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         ).eval()
         with torch.no_grad():
             theirs = reloaded(torch.as_tensor(tokens[:, :256])).logits.numpy()
-        error = _relative_error(ours, theirs)
+        error = relative_error(ours, theirs)
         report["export_relative_error"] = error
         failures += [f"export logits differ by {error:.2e}"] if error > LOGIT_TOLERANCE else []
         step("export", start, f"transformers reads the export: relative error {error:.2e}")

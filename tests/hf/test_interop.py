@@ -16,7 +16,7 @@ import pytest
 from helpers import tiny_hf
 from helpers.config import compose_config
 from helpers.process import run_training
-from helpers.tiny_hf import FAMILIES, TOKENS, run_config
+from helpers.tiny_hf import FAMILIES, LOGIT_TOLERANCE, TOKENS, relative_error, run_config
 from safetensors.numpy import load_file
 
 from meshtrain.errors import ConfigError
@@ -31,10 +31,6 @@ from meshtrain.train.loop import train
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.setup import prepare
 from meshtrain.train.state import create_train_state, state_shardings
-
-# The bar of the issue. The measured difference is ~1e-6 relative: fp32 rounding of the same
-# arithmetic done in a different order (einsum vs matmul, fused softmax).
-LOGIT_TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +57,6 @@ def _start(cfg, devices):
 
 def _logits(setup, params, tokens=TOKENS):
     return np.asarray(merge_model(setup.model, params)(jnp.asarray(tokens, jnp.int32)))
-
-
-def _relative_error(ours, theirs):
-    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +98,7 @@ def test_the_fixtures_were_made_from_the_inputs_the_tests_use(family):
 def test_logits_match_transformers(family, checkpoints):
     setup, state = _start(_config(family, checkpoints[family]), jax.devices()[:1])
     theirs = tiny_hf.reference(family)["logits"]
-    assert _relative_error(_logits(setup, state.params), theirs) <= LOGIT_TOLERANCE
+    assert relative_error(_logits(setup, state.params), theirs) <= LOGIT_TOLERANCE
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -138,7 +130,7 @@ def test_bf16_end_to_end_stays_close_to_transformers_fp32(checkpoints, tmp_path)
     logits = model(jnp.asarray(TOKENS, jnp.int32))
     assert logits.dtype == jnp.bfloat16
     ours = np.asarray(logits.astype(jnp.float32))
-    assert _relative_error(ours, tiny_hf.reference("gemma3")["logits"]) < 3e-2
+    assert relative_error(ours, tiny_hf.reference("gemma3")["logits"]) < 3e-2
 
 
 def test_scan_layers_and_remat_import_the_same_weights(checkpoints):
@@ -146,7 +138,7 @@ def test_scan_layers_and_remat_import_the_same_weights(checkpoints):
     setup, state = _start(cfg, jax.devices()[:1])
     assert state.params["blocks"]["attn"]["q"].shape == (7, 64, 4, 16)  # [layers, D, N, H]
     theirs = tiny_hf.reference("gemma3")["logits"]
-    assert _relative_error(_logits(setup, state.params), theirs) <= LOGIT_TOLERANCE
+    assert relative_error(_logits(setup, state.params), theirs) <= LOGIT_TOLERANCE
 
 
 def _shard_count(array) -> int:
@@ -194,7 +186,7 @@ def test_import_into_a_sharded_mesh_reads_and_holds_only_each_devices_shards(
         ours = _logits(setup, state.params, tokens)
     reference = tiny_hf.reference("gemma3")
     theirs = np.concatenate([reference["logits"], reference["logits_reversed"]])
-    assert _relative_error(ours, theirs) <= LOGIT_TOLERANCE
+    assert relative_error(ours, theirs) <= LOGIT_TOLERANCE
 
 
 def test_export_bf16_in_several_files_with_scan_layers(checkpoints, tmp_path):

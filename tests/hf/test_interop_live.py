@@ -17,7 +17,12 @@ torch = pytest.importorskip("torch")  # skipped where the parity extra is not in
 from flax import nnx  # noqa: E402
 from helpers import tiny_hf, tiny_hf_torch  # noqa: E402
 from helpers.paths import HF_CONFIGS  # noqa: E402
-from helpers.tiny_hf import FAMILIES, TOKENS  # noqa: E402
+from helpers.tiny_hf import (  # noqa: E402
+    FAMILIES,
+    LOGIT_TOLERANCE,
+    TOKENS,
+    relative_error,
+)
 from helpers.tiny_tokenizers import train_bpe  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -30,11 +35,6 @@ from meshtrain.models.abstract import merge_model  # noqa: E402
 from meshtrain.train.loop import train  # noqa: E402
 
 pytestmark = pytest.mark.slow
-LOGIT_TOLERANCE = 1e-4  # as in test_interop.py
-
-
-def _relative_error(ours, theirs):
-    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_export_round_trip_through_transformers(family, checkpoints, tmp_path):
     # The trained model's logits (before export) are transformers' of the export.
     model = merge_model(result.setup.model, result.state.params)
     ours = np.asarray(model(jnp.asarray(TOKENS, jnp.int32)))
-    assert _relative_error(ours, tiny_hf_torch.logits(reloaded, TOKENS)) <= LOGIT_TOLERANCE
+    assert relative_error(ours, tiny_hf_torch.logits(reloaded, TOKENS)) <= LOGIT_TOLERANCE
     # The tokenizer travels along and transformers reads the same ids and specials.
     text = "def function_3(value)"
     hf_ids = AutoTokenizer.from_pretrained(out)(text, add_special_tokens=False)["input_ids"]
@@ -92,7 +92,7 @@ def test_a_bf16_export_in_several_files_loads_in_transformers(checkpoints, tmp_p
     assert torch.equal(exported, original.state_dict()[name].to(torch.bfloat16))
     theirs = tiny_hf_torch.logits(reloaded.float(), TOKENS)
     # bf16 weights (8-bit mantissa) move the logits by a few parts in a thousand.
-    assert _relative_error(tiny_hf.reference("gemma3")["logits"], theirs) < 2e-2
+    assert relative_error(tiny_hf.reference("gemma3")["logits"], theirs) < 2e-2
 
 
 def test_the_byte_tokenizer_export_reads_the_same_ids_in_transformers(tmp_path):

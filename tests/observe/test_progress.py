@@ -84,7 +84,7 @@ def test_log_lines_go_whole_above_the_bar():
     frames = terminal.frames()
     assert "12:00:00 INFO meshtrain.train.loop: a whole line" in frames
     assert frames[-1].startswith("step 4/4") and "loss=1.0000" in frames[-1]
-    assert bar.thread_cpu_s >= 0.0
+    assert bar.cpu_percent >= 0.0
 
 
 def test_phase_announces_its_start_and_time(caplog: pytest.LogCaptureFixture):

@@ -32,10 +32,11 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from meshtrain.distributed.environment import RUN_ID_VAR, TORCHRUN_VARS, env_int
-from meshtrain.distributed.xla_flags import with_cpu_collective_timeouts
+from meshtrain.distributed.xla_flags import (
+    with_cpu_collective_timeouts,
+    without_fake_device_count,
+)
 from meshtrain.errors import ConfigError
-
-_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
 
 @dataclass(frozen=True)
@@ -145,9 +146,9 @@ def process_env(
     )
     env[RUN_ID_VAR] = run_id
     if platform == "cpu":
-        flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
-        flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
-        env["XLA_FLAGS"] = with_cpu_collective_timeouts(" ".join(flags))
+        flags = without_fake_device_count(env.get("XLA_FLAGS", ""))
+        count = f"--xla_force_host_platform_device_count={devices_per_process}"
+        env["XLA_FLAGS"] = with_cpu_collective_timeouts(f"{flags} {count}")
         env["JAX_PLATFORMS"] = "cpu"
     else:
         first = local_rank * devices_per_process

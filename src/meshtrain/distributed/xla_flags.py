@@ -21,7 +21,7 @@ CPU_COLLECTIVE_TIMEOUTS = {
     "xla_cpu_collective_call_terminate_timeout_seconds": "86400",
     "xla_cpu_collective_timeout_seconds": "86400",
 }
-FAKE_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+FAKE_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
 
 def _flag_name(token: str) -> str:
@@ -34,6 +34,11 @@ def merge_xla_flags(existing: str, defaults: Mapping[str, str]) -> str:
     named = {_flag_name(t) for t in existing.split() if t.startswith("-")}
     added = [f"--{name}={value}" for name, value in defaults.items() if name not in named]
     return " ".join([existing.strip(), *added]).strip()
+
+
+def without_fake_device_count(existing: str) -> str:
+    """`existing` XLA_FLAGS without its --xla_force_host_platform_device_count, if any."""
+    return " ".join(FAKE_DEVICE_COUNT.sub("", existing).split())
 
 
 def with_cpu_collective_timeouts(existing: str) -> str:

@@ -69,7 +69,6 @@ class ProgressBar:
         tokens_per_step: int,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.console = Console(file=stream, force_terminal=True, highlight=False)
         self._progress = Progress(
             TextColumn("step {task.completed}/{task.total}"),
             BarColumn(),
@@ -78,7 +77,7 @@ class ProgressBar:
             TimeElapsedColumn(),
             TextColumn("eta"),
             TimeRemainingColumn(),
-            console=self.console,
+            console=Console(file=stream, force_terminal=True, highlight=False),
             auto_refresh=False,  # this class's thread redraws, at most every POLL_S
             redirect_stdout=False,
             redirect_stderr=False,
@@ -92,6 +91,7 @@ class ProgressBar:
         self._stop = threading.Event()
         self._started = time.perf_counter()
         self._thread_cpu_s = 0.0
+        self._cpu_percent = 0.0
         self._progress.start()
         self._thread = threading.Thread(target=self._run, name="meshtrain-progress", daemon=True)
         self._thread.start()
@@ -138,17 +138,18 @@ class ProgressBar:
             self._poll()  # the loop fetched its last step's metrics: every step has finished
             self._progress.stop()
         wall = time.perf_counter() - self._started
+        self._cpu_percent = 100 * self._thread_cpu_s / max(wall, 1e-9)
         log.debug(
             "progress bar: %.3f s of CPU in %.1f s (%.2f%% of one core)",
             self._thread_cpu_s,
             wall,
-            100 * self._thread_cpu_s / max(wall, 1e-9),
+            self._cpu_percent,
         )
 
     @property
-    def thread_cpu_s(self) -> float:
-        """CPU seconds the bar's thread used (known after close)."""
-        return self._thread_cpu_s
+    def cpu_percent(self) -> float:
+        """The CPU time of the bar's thread, in % of one core over the bar's life (after close)."""
+        return self._cpu_percent
 
     def __enter__(self) -> ProgressBar:
         return self
