@@ -45,7 +45,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from meshtrain.distributed.xla_flags import without_fake_device_count  # standard library only
+from meshtrain.distributed.xla_flags import (  # the standard library only: JAX is not loaded
+    with_cpu_collective_timeouts,
+    without_fake_device_count,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "configs"
@@ -133,12 +136,15 @@ def stamp(result: dict[str, Any], argv: list[str]) -> dict[str, Any]:
 
 def child_env(workload: str) -> dict[str, str]:
     """The child's environment: the caller's XLA_FLAGS without a device count, W1 and W2 on
-    that many CPU devices, and no persistent compilation cache (the compile is timed)."""
+    that many CPU devices (with long collective timeouts), and no persistent compilation cache
+    (the compile is timed)."""
     env = dict(os.environ)
     flags = without_fake_device_count(env.get("XLA_FLAGS", ""))
     if workload in DEVICES:
         env["JAX_PLATFORMS"] = "cpu"
-        flags = f"{flags} --xla_force_host_platform_device_count={DEVICES[workload]}".strip()
+        count = f"--xla_force_host_platform_device_count={DEVICES[workload]}"
+        # Faked devices: XLA's CPU collective timeouts raised, as every meshtrain launch does.
+        flags = with_cpu_collective_timeouts(f"{flags} {count}")
     if flags:
         env["XLA_FLAGS"] = flags
     else:

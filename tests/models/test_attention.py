@@ -17,7 +17,12 @@ from meshtrain.config import ModelConfig
 from meshtrain.config.validate import check_config
 from meshtrain.errors import ConfigError
 from meshtrain.models import attention as attention_module
-from meshtrain.models.attention import cudnn_unsupported, dot_product_attention, select_attention
+from meshtrain.models.attention import (
+    cudnn_unsupported,
+    dot_product_attention,
+    is_nvidia_gpu,
+    select_attention,
+)
 from meshtrain.models.transformer import Transformer
 
 
@@ -92,6 +97,37 @@ def test_kernels_match_the_einsum_oracle(kernel, block, heads, kv_heads, mask):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     for name, ours_grad, oracle_grad in zip("qkv", got_grads, expected_grads, strict=True):
         np.testing.assert_allclose(ours_grad, oracle_grad, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.skipif(not is_nvidia_gpu(), reason="cuDNN's flash attention needs an NVIDIA GPU")
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("mask", MASKS)
+def test_cudnn_matches_the_einsum_oracle_in_bf16(heads, kv_heads, mask):
+    """The GPU kernel against the same oracle, in bf16 (cuDNN runs no fp32): outputs and
+    gradients within bf16's rounding of the fp32 oracle's. Runs only where a GPU is present."""
+    window, segments = MASKS[mask]
+    length = 128  # cuDNN's shapes: head_dim a multiple of 8, a sequence of whole tiles
+    q, k, v = _inputs(heads, kv_heads, length=length, head_dim=64)
+    segment_ids = None
+    if segments:
+        segment_ids = jnp.asarray([[0] * 40 + [1] * 70 + [2] * 18, [3] * length], jnp.int32)
+    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
+
+    def oracle(q, k, v):
+        return einsum_attention(q, k, v, scale=0.125, window=window, segment_ids=segment_ids)
+
+    def ours(q, k, v):
+        q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))
+        out = dot_product_attention(
+            q, k, v, kernel="cudnn", scale=0.125, window=window, segment_ids=segment_ids
+        )
+        return out.astype(jnp.float32)
+
+    expected, expected_grads = _output_and_grads(oracle, q, k, v, cotangent)
+    got, got_grads = jax.jit(lambda *a: _output_and_grads(ours, *a))(q, k, v, cotangent)
+    np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)
+    for name, ours_grad, oracle_grad in zip("qkv", got_grads, expected_grads, strict=True):
+        np.testing.assert_allclose(ours_grad, oracle_grad, rtol=5e-2, atol=5e-2, err_msg=name)
 
 
 def test_documents_do_not_see_each_other():

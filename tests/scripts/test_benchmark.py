@@ -50,7 +50,9 @@ def test_w1_quick_json(tmp_path):
     tflops = result["flops_per_step"] / result["step_time_s"] / 1e12
     assert result["tflops_per_device"] == pytest.approx(tflops)
     assert result["mfu"] == pytest.approx(result["tflops_per_device"] / result["peak_tflops"])
-    assert result["mfu"] < 1.5  # the peak is this machine's best matmul: no sane MFU above 1
+    # The peak is this machine's best matmul, measured in the same run: W1 logs about 55% on a
+    # quiet machine, and no model can beat the best matmul.
+    assert 0.0 < result["mfu"] < 1.0
     for key in ("machine", "date", "command"):
         assert result[key]
     assert "scripts/benchmark.py --workload W1" in result["command"]
@@ -89,7 +91,12 @@ def test_the_w3_launch_gets_fresh_caches_and_one_device(tmp_path, monkeypatch):
     assert "JAX_COMPILATION_CACHE_DIR" not in env
     assert env["MESHTRAIN_CACHE_DIR"] == str(tmp_path)
     assert env["XLA_FLAGS"] == "--xla_dump_to=/x"
-    assert bench.child_env("W2")["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=8")
+    w2_flags = bench.child_env("W2")["XLA_FLAGS"].split()
+    assert [f for f in w2_flags if "device_count" in f] == [
+        "--xla_force_host_platform_device_count=8"
+    ]
+    assert "--xla_dump_to=/x" in w2_flags
+    assert "--xla_cpu_collective_timeout_seconds=86400" in w2_flags
     assert bench.child_env("W1")["JAX_ENABLE_COMPILATION_CACHE"] == "false"
 
 

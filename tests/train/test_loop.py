@@ -64,26 +64,41 @@ def test_same_seed_same_losses_on_every_mesh(mesh_shape, micro, devices, referen
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_more_tp_ranks_than_key_value_heads_give_the_same_losses(kv_heads, tmp_path):
-    """Key/value heads replicated over tp ([[4,2]] for 1 head, [[1,8]] for both): the losses
-    of one device."""
+    """[[1,8]] and [[4,2]] against one device, for 1 and 2 key/value heads: where tp does not
+    divide them ([[1,8]] for both, [[4,2]] for 1) the key/value projections are replicated over
+    tp, said in the log and counted in plan.json; the losses stay those of one device."""
     heads = (f"model.num_kv_heads={kv_heads}",)
     one = _losses(
         train_tiny(tmp_path / "one", *heads, "training.micro_batch_size=8", *FAST, devices=1)
     )
-    meshes = [("[[1,8],[fsdp,tp]]", 8)] + ([("[[4,2],[fsdp,tp]]", 2)] if kv_heads == 1 else [])
-    for mesh_shape, micro in meshes:
+    for mesh_shape, micro, fsdp, tp in [
+        ("[[1,8],[fsdp,tp]]", 8, 1, 8),
+        ("[[4,2],[fsdp,tp]]", 2, 4, 2),
+    ]:
+        run_dir = tmp_path / mesh_shape
         result = train_tiny(
-            tmp_path / mesh_shape,
+            run_dir,
             *heads,
             f"model.mesh_shape={mesh_shape}",
             f"training.micro_batch_size={micro}",
             *FAST,
         )
-        q, k = (result.setup.model.param_shardings["blocks"][0]["attn"][n].spec for n in "qk")
-        assert q[1] == "tp" and k[1] is None  # query heads split, key/value heads whole
         np.testing.assert_allclose(_losses(result), one, rtol=1e-5)
-        log = (tmp_path / mesh_shape / "train.log").read_text()
-        assert f"does not divide model.num_kv_heads={kv_heads}: the key/value projections" in log
+        replicated = kv_heads % tp != 0
+        q, k = (result.setup.model.param_shardings["blocks"][0]["attn"][n].spec for n in "qk")
+        assert q[1] == "tp"  # query heads split on every mesh
+        assert k[1] == (None if replicated else "tp")
+        log = (run_dir / "train.log").read_text()
+        note = f"does not divide model.num_kv_heads={kv_heads}: the key/value projections"
+        assert (note in log) == replicated
+        # plan.json: the k and v weights [D, K, H] of every layer, D split over fsdp, in fp32.
+        model = result.setup.cfg.model
+        kv_bytes = model.num_layers * 2 * model.d_model * kv_heads * model.head_dim * 4 // fsdp
+        plan = json.loads((run_dir / "plan.json").read_text())
+        assert plan["replicated_kv_bytes"] == (kv_bytes if replicated else 0)
+        assert plan["replicated_kv_over"] == (tp if replicated else 1)
+        assert plan["replicated_kv_extra_bytes"] == (kv_bytes - kv_bytes // tp if replicated else 0)
+        assert ("key/value, whole" in log) == replicated
 
 
 def test_reference_run_on_one_device(reference_losses):
@@ -172,3 +187,29 @@ def test_default_run_loss_falls_and_writes_its_files(run_dir):
     assert result.history == lines
     assert "step 60/60" in (run_dir / "train.log").read_text()
     assert list(run_dir.glob("events.out.tfevents.*"))
+
+
+def test_the_loop_reads_from_the_devices_only_at_log_steps(run_dir, monkeypatch):
+    """The host waits for the devices only where it must: under a transfer guard that refuses
+    every implicit device→host copy (float(x), np.asarray(x), ...), ten steps logged every five
+    fetch the step's metrics exactly three times (steps 1, 5 and 10), each in one device_get."""
+    metric_fetches = []
+    device_get = jax.device_get
+
+    def counting_device_get(tree):
+        if isinstance(tree, dict) and "loss" in tree:
+            metric_fetches.append(sorted(tree))
+        return device_get(tree)
+
+    monkeypatch.setattr(jax, "device_get", counting_device_get)
+    with jax.transfer_guard_device_to_host("disallow"):
+        result = train_tiny(
+            run_dir,
+            "model.mesh_shape=[[4,2],[fsdp,tp]]",
+            "training.steps=10",
+            "training.log_every=5",
+            "training.eval_every=0",
+            "checkpoint.every_steps=0",
+        )
+    assert [h["step"] for h in result.history] == [1, 5, 10]
+    assert metric_fetches == [["grad_norm", "learning_rate", "loss"]] * 3

@@ -26,7 +26,7 @@ RopeScaling = Literal["none", "linear", "llama3"]
 RematPolicy = Literal["none", "full", "dots_saveable", "minimal"]
 """model.remat."""
 AttentionImpl = Literal["auto", "xla", "cudnn"]
-"""model.attention: auto (cuDNN on NVIDIA GPUs in bf16/fp16 where the shapes allow, else XLA), xla or cudnn."""
+"""model.attention: auto (cuDNN on NVIDIA GPUs in bf16/fp16 where the shapes allow, else the chunked XLA kernel), xla or cudnn."""
 Family = Literal["llama", "qwen3", "gemma3"]
 """model.family: the Hugging Face architecture for import and export."""
 LrSchedule = Literal["cosine", "constant"]

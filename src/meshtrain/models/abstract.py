@@ -34,16 +34,22 @@ class AbstractModel:
     config: ModelConfig | None = None  # what it was built from
 
 
+def key_value_replicas(cfg: ModelConfig, mesh_spec: MeshSpec) -> int:
+    """The ranks that each hold `cfg`'s key/value projections whole: the size of the mesh axes
+    of `kv_heads` (tp) when they do not divide model.num_kv_heads, else 1 (split over them)."""
+    shards = mesh_spec.size(*mesh_axes_for("kv_heads", cfg.logical_axis_rules))
+    return 1 if cfg.num_kv_heads % shards == 0 else shards
+
+
 def replicated_kv_heads(cfg: ModelConfig, mesh_spec: MeshSpec) -> str | None:
     """Why `cfg`'s key/value heads are replicated on this mesh (a log line), or None when the
     mesh axes of `kv_heads` (tp) divide model.num_kv_heads. Gemma 3 1B has 1 key/value head;
     Llama 3 8B has 8, for 16 tp ranks on two 8-GPU nodes."""
-    rules = cfg.logical_axis_rules
-    axes = mesh_axes_for("kv_heads", rules)
-    shards = mesh_spec.size(*axes)
-    if cfg.num_kv_heads % shards == 0:
+    shards = key_value_replicas(cfg, mesh_spec)
+    if shards == 1:
         return None
-    names = "×".join(axes)
+    rules = cfg.logical_axis_rules
+    names = "×".join(mesh_axes_for("kv_heads", rules))
     per_rank = cfg.num_heads // mesh_spec.size(*mesh_axes_for("heads", rules))
     return (
         f"{names}={shards} does not divide model.num_kv_heads={cfg.num_kv_heads}: the key/value "

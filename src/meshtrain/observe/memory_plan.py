@@ -34,6 +34,19 @@ def bytes_per_device(tree: Any, shardings: Any) -> int:
     )
 
 
+def key_value_bytes_per_device(params: Any, shardings: Any) -> int:
+    """Bytes of one device's shards of the attention's key and value projections
+    (params[...]["attn"]["k"] and ["v"], every layer)."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    specs = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    total = 0
+    for (path, leaf), sharding in zip(flat, specs, strict=True):
+        names = [getattr(key, "key", None) for key in path[-2:]]
+        if names in (["attn", "k"], ["attn", "v"]):
+            total += math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+    return total
+
+
 @dataclass
 class MemoryPlan:
     """Bytes per device of one train step, and the verdict against a device's memory."""
@@ -53,6 +66,16 @@ class MemoryPlan:
     capacity_bytes: float | None = None  # usable bytes of that device (× plan.memory_fraction)
     remat: str = "none"  # model.remat of the planned step
     scan_layers: bool = False  # model.scan_layers of the planned step
+    # The key/value projections' bytes per device when tp exceeds model.num_kv_heads and they
+    # are whole on every tp rank (models.abstract.fit_kv_heads); 0 when tp splits them.
+    replicated_kv_bytes: int = 0
+    replicated_kv_over: int = 1  # the tp ranks that each hold them whole (1: not replicated)
+
+    @property
+    def replicated_kv_extra_bytes(self) -> int:
+        """What the replication adds per device to the parameters, over a 1/tp split (the
+        gradients and each of Adam's two moments add as much again)."""
+        return self.replicated_kv_bytes - self.replicated_kv_bytes // self.replicated_kv_over
 
     @property
     def total_bytes(self) -> int:
@@ -63,7 +86,12 @@ class MemoryPlan:
         return None if self.capacity_bytes is None else self.total_bytes <= self.capacity_bytes
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "total_bytes": self.total_bytes, "fits": self.fits}
+        return {
+            **asdict(self),
+            "replicated_kv_extra_bytes": self.replicated_kv_extra_bytes,
+            "total_bytes": self.total_bytes,
+            "fits": self.fits,
+        }
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
@@ -100,6 +128,15 @@ class MemoryPlan:
             "memory plan per device "
             + f"(mesh {', '.join(f'{k}={v}' for k, v in self.mesh.items())}):",
             f"  parameters          {format_bytes(self.params_bytes):>12}",
+        ]
+        if self.replicated_kv_bytes:
+            lines.append(
+                f"    key/value, whole  {format_bytes(self.replicated_kv_bytes):>12}   "
+                f"(replicated over tp={self.replicated_kv_over}: "
+                f"{format_bytes(self.replicated_kv_extra_bytes)} more than a 1/tp split, "
+                "as much again in gradients and in each Adam moment)"
+            )
+        lines += [
             f"  optimizer state     {format_bytes(self.opt_state_bytes):>12}",
             f"  gradients           {format_bytes(self.grad_bytes):>12}   (within the temporaries)",
             f"  activations + temps {format_bytes(self.activation_bytes):>12}   (XLA memory_analysis)",
@@ -157,10 +194,15 @@ def memory_plan(
     capacity_bytes: float | None,
     remat: str = "none",
     scan_layers: bool = False,
+    replicated_kv_over: int = 1,
 ) -> MemoryPlan:
-    """The plan of a compiled train step whose state has these shapes and shardings."""
+    """The plan of a compiled train step whose state has these shapes and shardings;
+    `replicated_kv_over`: the tp ranks that hold the key/value projections whole (1: split)."""
     analysis = compiled.memory_analysis()
     params = bytes_per_device(abstract_state.params, state_shardings.params)
+    replicated_kv = 0
+    if replicated_kv_over > 1:
+        replicated_kv = key_value_bytes_per_device(abstract_state.params, state_shardings.params)
     return MemoryPlan(
         mesh={name: int(size) for name, size in mesh.shape.items()},
         micro_batch_size=micro_batch_size,
@@ -177,4 +219,6 @@ def memory_plan(
         capacity_bytes=capacity_bytes,
         remat=remat,
         scan_layers=scan_layers,
+        replicated_kv_bytes=replicated_kv,
+        replicated_kv_over=replicated_kv_over,
     )

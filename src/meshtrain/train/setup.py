@@ -23,7 +23,12 @@ from meshtrain.config.validate import check_against_mesh, check_config, micro_ba
 from meshtrain.data import TokenDataset, build_dataset
 from meshtrain.distributed.runtime import process_hosts
 from meshtrain.errors import ConfigError
-from meshtrain.models.abstract import AbstractModel, abstract_model, replicated_kv_heads
+from meshtrain.models.abstract import (
+    AbstractModel,
+    abstract_model,
+    key_value_replicas,
+    replicated_kv_heads,
+)
 from meshtrain.observe.communication import CommunicationReport, account_collectives
 from meshtrain.observe.flops import train_flops_per_step
 from meshtrain.observe.memory_plan import MemoryPlan, device_capacity, memory_plan
@@ -198,6 +203,7 @@ def inspect_compiled(
         capacity_bytes=capacity,
         remat=cfg.model.remat,
         scan_layers=cfg.model.scan_layers,
+        replicated_kv_over=key_value_replicas(cfg.model, setup.mesh_spec),
     )
     lines = plan.format()
     if cfg.training.profile_communication:
