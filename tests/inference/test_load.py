@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import tiny_hf
 from helpers.process import run_python
 from helpers.runs import train_tiny
 
@@ -87,3 +88,27 @@ def test_generate_command_on_a_run_directory(trained):
     completion = meshtrain.generate(model, tokenizer, PROMPT, max_new_tokens=8)
     assert result.stdout == PROMPT + completion + "\n"
     assert completion  # the byte model continues, however badly, after 3 steps
+
+
+def test_load_hf_replicates_key_value_heads_tp_cannot_split_and_names_what_works(tmp_path, caplog):
+    """The Python API checks the mesh as a training run does: tp=4 over the tiny Llama's 2
+    key/value heads replicates them (one log line, transformers' logits), and tp=8 over its 4
+    query heads is one line naming the model's head counts and the tp sizes that work."""
+    directory = tiny_hf.write_checkpoint("llama", tmp_path / "llama")
+    with caplog.at_level(logging.INFO, logger="meshtrain.inference.load"):
+        model = meshtrain.load_hf(directory, [[2, 4], ["fsdp", "tp"]])
+    notes = [r.getMessage() for r in caplog.records if "key/value projections" in r.getMessage()]
+    assert notes == [
+        "tp=4 does not divide model.num_kv_heads=2: the key/value projections are replicated "
+        "over tp, and each rank repeats the key/value heads its 1 query heads read"
+    ]
+    ours = np.asarray(model(tiny_hf.TOKENS.astype(np.int32)))
+    theirs = tiny_hf.reference("llama")["logits"]
+    assert tiny_hf.relative_error(ours, theirs) <= tiny_hf.LOGIT_TOLERANCE
+    with pytest.raises(ConfigError) as error:
+        meshtrain.load_hf(directory, [[1, 8], ["fsdp", "tp"]])
+    assert str(error.value) == (
+        "tp=8 in model.mesh_shape does not divide model.num_heads=4; model llama has 4 query "
+        "heads and 2 key/value head(s); use tp in {1, 2, 4} (divisors of model.num_heads=4, "
+        "model.mlp_dim=128, model.vocab_size=512)"
+    )

@@ -18,6 +18,7 @@ from meshtrain.config.schema import (
     LayerKind,
     LrSchedule,
     MixedPrecision,
+    ModelConfig,
     NonfiniteMode,
     RematPolicy,
     ResumeMode,
@@ -207,7 +208,27 @@ def _divisors_of_all(values: list[int]) -> list[int]:
 
 def check_against_mesh(cfg: Config, mesh: MeshSpec) -> None:
     """Model dimensions and batch sizes divide over the mesh axes that shard them."""
-    model, rules = cfg.model, cfg.model.logical_axis_rules
+    check_model_on_mesh(cfg.model, mesh)
+    rules = cfg.model.logical_axis_rules
+    training = cfg.training
+    batch_axes = mesh_axes_for("batch", rules)
+    shards = mesh.size(*batch_axes)
+    if training.global_batch_size is not None:
+        per_update = shards * training.gradient_accumulation_steps
+        if training.global_batch_size % per_update:
+            raise ConfigError(
+                f"training.global_batch_size={training.global_batch_size} is not divisible by the "
+                f"batch shards ({'×'.join(batch_axes)}={shards}) × "
+                f"training.gradient_accumulation_steps={training.gradient_accumulation_steps} = {per_update}; "
+                f"use a multiple of {per_update}, e.g. {per_update * max(1, training.global_batch_size // per_update)}"
+            )
+
+
+def check_model_on_mesh(model: ModelConfig, mesh: MeshSpec) -> None:
+    """The model's heads, MLP and vocabulary divide over the mesh axes that shard them (key/value
+    heads that tp cannot split are replicated instead); else one line naming the model, its head
+    counts and the sizes that would work."""
+    rules = model.logical_axis_rules
     tp_dims = {
         "num_heads": (model.num_heads, "heads"),
         "num_kv_heads": (model.num_kv_heads, "kv_heads"),
@@ -235,19 +256,6 @@ def check_against_mesh(cfg: Config, mesh: MeshSpec) -> None:
                 f"use {names} in {{{options}}} (divisors of "
                 + ", ".join(f"model.{k}={d}" for k, d in split.items())
                 + ")"
-            )
-
-    training = cfg.training
-    batch_axes = mesh_axes_for("batch", rules)
-    shards = mesh.size(*batch_axes)
-    if training.global_batch_size is not None:
-        per_update = shards * training.gradient_accumulation_steps
-        if training.global_batch_size % per_update:
-            raise ConfigError(
-                f"training.global_batch_size={training.global_batch_size} is not divisible by the "
-                f"batch shards ({'×'.join(batch_axes)}={shards}) × "
-                f"training.gradient_accumulation_steps={training.gradient_accumulation_steps} = {per_update}; "
-                f"use a multiple of {per_update}, e.g. {per_update * max(1, training.global_batch_size // per_update)}"
             )
 
 

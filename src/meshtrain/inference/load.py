@@ -29,11 +29,26 @@ from meshtrain.errors import ConfigError
 from meshtrain.hf.config_json import model_config_from_hf, read_config_json
 from meshtrain.hf.load import check_init_from, load_params
 from meshtrain.hf.safetensors_io import CheckpointReader
-from meshtrain.models.abstract import abstract_model, merge_model
+from meshtrain.models.abstract import (
+    AbstractModel,
+    abstract_model,
+    merge_model,
+    replicated_kv_heads,
+)
 from meshtrain.models.transformer import Transformer
-from meshtrain.parallel.mesh import resolve_mesh
+from meshtrain.parallel.mesh import MeshSpec, resolve_mesh
 
 log = logging.getLogger(__name__)
+
+
+def _abstract_model(cfg: ModelConfig, mesh: Mesh, spec: MeshSpec) -> AbstractModel:
+    """abstract_model, with the one line that says when the key/value heads are replicated
+    over tp (as a training run's start-up says)."""
+    model = abstract_model(cfg, mesh, spec)
+    note = replicated_kv_heads(cfg, spec)
+    if note:
+        log.info(note)
+    return model
 
 
 def hf_model_config(path: str | Path, **fields: Any) -> ModelConfig:
@@ -62,7 +77,7 @@ def load_hf(
     cfg = hf_model_config(directory, scan_layers=scan_layers, init_from=f"hf:{directory}")
     check_init_from(cfg)  # every tensor present with its shape, before anything is allocated
     mesh, spec = resolve_mesh(mesh)
-    model = abstract_model(cfg, mesh, spec)
+    model = _abstract_model(cfg, mesh, spec)
     params = load_params(directory, cfg, model.abstract_params, model.param_shardings, dtype=dtype)
     return merge_model(model, params)
 
@@ -103,7 +118,7 @@ def load_checkpoint(
     for candidate in _candidates(Path(path)):
         try:
             cfg = ModelConfig(**read_meta(candidate)["config"]["model"])
-            model = abstract_model(cfg, mesh, spec)
+            model = _abstract_model(cfg, mesh, spec)
             target = jax.tree.map(
                 lambda leaf, sharding: jax.ShapeDtypeStruct(
                     leaf.shape, leaf.dtype, sharding=sharding
@@ -145,7 +160,7 @@ def load_safetensors_export(
             "model.safetensors)"
         )
     mesh, spec = resolve_mesh(mesh)
-    model = abstract_model(ModelConfig(**config["model"]), mesh, spec)
+    model = _abstract_model(ModelConfig(**config["model"]), mesh, spec)
     reader = CheckpointReader(directory)
     shardings = named_leaves(model.param_shardings)
     arrays = [

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshtrain.config.schema import ModelConfig
+from meshtrain.config.validate import check_model_on_mesh
 from meshtrain.models.attention import check_attention
 from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.mesh import MeshSpec
@@ -69,10 +70,12 @@ def fit_kv_heads(cfg: ModelConfig, mesh_spec: MeshSpec) -> ModelConfig:
 
 
 def abstract_model(cfg: ModelConfig, mesh: Mesh, mesh_spec: MeshSpec) -> AbstractModel:
-    """Abstract init (shapes only) plus the logical rules → shardings; checks even division
-    and that model.attention can run on the mesh's devices. Key/value heads that the mesh
+    """Abstract init (shapes only) plus the logical rules → shardings; checks that the heads,
+    MLP and vocabulary divide over the mesh (one line naming the sizes that would work), even
+    division of every parameter, and that model.attention can run on the mesh's devices. Key/value heads that the mesh
     cannot split are replicated (fit_kv_heads)."""
     check_attention(cfg.attention, mesh.devices.flat[0])
+    check_model_on_mesh(cfg, mesh_spec)
     cfg = fit_kv_heads(cfg, mesh_spec)
     shapes_only = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(shapes_only, nnx.Param)
