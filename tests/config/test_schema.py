@@ -19,12 +19,14 @@ from meshtrain.config.schema import (
     Family,
     LayerKind,
     MixedPrecision,
+    ReduceDtype,
     RematPolicy,
     choices,
 )
 from meshtrain.distributed.environment import CLUSTER_METHODS
 from meshtrain.hf.config_json import FAMILIES
 from meshtrain.models.transformer import LAYER_KINDS, REMAT_POLICIES
+from meshtrain.train.gradients import REDUCE_DTYPES
 from meshtrain.train.step import COMPUTE_DTYPES
 
 SCHEMAS = {
@@ -101,6 +103,7 @@ def test_the_default_groups_compose_to_the_schema_defaults():
     [
         (RematPolicy, tuple(REMAT_POLICIES)),
         (MixedPrecision, tuple(COMPUTE_DTYPES)),
+        (ReduceDtype, tuple(REDUCE_DTYPES)),
         (LayerKind, LAYER_KINDS),
         (Family, FAMILIES),
         (ClusterDetection, CLUSTER_METHODS),

@@ -27,6 +27,19 @@ from meshtrain.parallel.mesh import parse_mesh_shape
             ["model.mlp_activation=relu"],
             "model.mlp_activation='relu' is not supported; use one of: silu, gelu",
         ),
+        (
+            ["training.gradient_accumulation_steps=12", "training.sync_gradients_every=5"],
+            "training.sync_gradients_every=5 does not divide "
+            "training.gradient_accumulation_steps=12; use one of 1, 2, 3, 4, 6, 12",
+        ),
+        (
+            ["training.sync_gradients_every=0"],
+            "training.sync_gradients_every=0 must be positive",
+        ),
+        (
+            ["training.reduce_dtype=fp16"],
+            "training.reduce_dtype='fp16' is not supported; use one of: fp32, bf16",
+        ),
     ],
 )
 def test_check_config_errors(overrides, message):

@@ -190,7 +190,7 @@ def test_the_step_logs_the_kernel_it_runs(caplog):
             state_shardings=state_shardings(setup.model, tx, setup.mesh),
             batch_sharding=None,
             pad_id=0,
-            mixed_precision="fp32",
+            training=cfg.training,
         )
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention:")]
     assert lines == ["attention: chunked (auto: cuDNN needs an NVIDIA GPU, this is cpu)"]

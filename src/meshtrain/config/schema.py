@@ -35,6 +35,8 @@ MixedPrecision = Literal["fp32", "bf16"]
 """training.mixed_precision: the compute dtype."""
 NonfiniteMode = Literal["stop", "skip"]
 """training.nonfinite."""
+ReduceDtype = Literal["fp32", "bf16"]
+"""training.reduce_dtype: the precision of the gradient reductions meshtrain runs itself."""
 ResumeMode = Literal["auto", "never"]
 """checkpoint.resume, unless it is a checkpoint path."""
 ClusterDetection = Literal["slurm", "ompi", "mpi4py", "gcetpu", "gketpu"]
@@ -185,7 +187,11 @@ class TrainingConfig:
     micro_batch_size: int = 8
     """Sequences per batch shard (per device along dp×fsdp) per micro-batch."""
     gradient_accumulation_steps: int = 1
-    """Micro-batches accumulated (a lax.scan) into one update."""
+    """Micro-batches accumulated (a lax.scan) into one update; dp replicas reduce their sum once, after the last."""
+    sync_gradients_every: int = 1
+    """Reduce gradients over fsdp every this many micro-batches, summing them unsharded in between (a buffer of the parameters over tp); must divide gradient_accumulation_steps."""
+    reduce_dtype: str = "fp32"  # ReduceDtype
+    """Precision of the gradient reductions over dp and fsdp: fp32, or bf16 (half the bytes; summed in fp32 after each)."""
     global_batch_size: int | None = None
     """If set, sequences per update; micro_batch_size is then derived from it and the mesh."""
     learning_rate: float = 3e-3

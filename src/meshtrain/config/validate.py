@@ -20,6 +20,7 @@ from meshtrain.config.schema import (
     MixedPrecision,
     ModelConfig,
     NonfiniteMode,
+    ReduceDtype,
     RematPolicy,
     ResumeMode,
     RopeScaling,
@@ -90,6 +91,15 @@ def check_config(cfg: Config) -> None:
     _one_of("training.lr_schedule", training.lr_schedule, choices(LrSchedule))
     _one_of("training.mixed_precision", training.mixed_precision, choices(MixedPrecision))
     _one_of("training.nonfinite", training.nonfinite, choices(NonfiniteMode))
+    _one_of("training.reduce_dtype", training.reduce_dtype, choices(ReduceDtype))
+    _positive("training.sync_gradients_every", training.sync_gradients_every)
+    accum = training.gradient_accumulation_steps
+    if accum % training.sync_gradients_every:
+        valid = ", ".join(str(k) for k in range(1, accum + 1) if accum % k == 0)
+        raise ConfigError(
+            f"training.sync_gradients_every={training.sync_gradients_every} does not divide "
+            f"training.gradient_accumulation_steps={accum}; use one of {valid}"
+        )
     _require(
         training.warmup_steps >= 0, f"training.warmup_steps={training.warmup_steps} must be >= 0"
     )

@@ -92,3 +92,23 @@ def merge_model(model: AbstractModel, params: Any) -> Transformer:
     state = jax.tree.map(lambda leaf: leaf, model.abstract_state)  # a fresh copy to fill in
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(model.graphdef, state)
+
+
+def without_mesh_axes(model: AbstractModel, axes: tuple[str, ...]) -> AbstractModel:
+    """`model` with `axes` taken out of every rule its layers constrain with: the same
+    parameters and shardings, for a forward and backward pass run once per device group of
+    `axes` (jax.vmap with spmd_axis_name=axes, as train.gradients does), where the batch is
+    split over the remaining batch axes and each group's gradients are whole along `axes`."""
+    cfg = model.config
+
+    def without(target: Any) -> Any:
+        names = [] if target is None else [target] if isinstance(target, str) else list(target)
+        kept = [a for a in names if a not in axes]
+        return kept or None
+
+    rules = {logical: without(target) for logical, target in cfg.logical_axis_rules.items()}
+    cfg = dataclasses.replace(cfg, logical_axis_rules=rules)
+    module = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    module.gather_table = True
+    graphdef, abstract_state = nnx.split(module, nnx.Param)
+    return dataclasses.replace(model, graphdef=graphdef, abstract_state=abstract_state, config=cfg)

@@ -160,6 +160,10 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.rules = cfg.logical_axis_rules
+        # Gather the embedding table over its embed axes before the lookup: set for a pass run
+        # per device group (models.abstract.without_mesh_axes), where XLA cannot partition the
+        # lookup of a split table and would replicate it; elsewhere XLA's own lookup is cheaper.
+        self.gather_table = False
         self.embed = normal_param(
             rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std
         )
@@ -217,6 +221,8 @@ class Transformer(nnx.Module):
         dtype = embed.dtype  # the compute dtype: the caller casts the parameters
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        if self.gather_table:
+            embed = constrain(embed, ("vocab", None), self.rules)
         x = jnp.take(embed, tokens, axis=0)  # [B, T, D]
         if self.embed_scale is not None:
             x = x * jnp.asarray(self.embed_scale, dtype)

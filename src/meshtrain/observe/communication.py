@@ -340,7 +340,11 @@ class CommunicationReport:
             },
             "summary": self.summary(),
             "collectives": [
-                {**asdict(c), "ring_bytes_per_step": c.ring_bytes_per_step}
+                {
+                    **asdict(c),
+                    "ring_bytes_per_step": c.ring_bytes_per_step,
+                    "ideal_bytes_per_step": c.ideal_bytes_per_step,
+                }
                 for c in self.collectives
             ],
             "measured": self.measured,

@@ -19,8 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from meshtrain.accelerators import accelerator_named
+from meshtrain.parallel.rules import without_axes
 from meshtrain.units import GIB, format_bytes, format_flops
 
 
@@ -47,6 +50,20 @@ def key_value_bytes_per_device(params: Any, shardings: Any) -> int:
     return total
 
 
+def unsharded_grad_bytes(params: Any, shardings: Any, axes: tuple[str, ...]) -> int:
+    """Bytes per device of fp32 gradients of `params` laid out whole along the mesh `axes`
+    (0 for none)."""
+    if not axes:
+        return 0
+    whole = jax.tree.map(
+        lambda s: NamedSharding(s.mesh, without_axes(s.spec, axes)),
+        shardings,
+        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
+    )
+    fp32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params)
+    return bytes_per_device(fp32, whole)
+
+
 @dataclass
 class MemoryPlan:
     """Bytes per device of one train step, and the verdict against a device's memory."""
@@ -70,6 +87,10 @@ class MemoryPlan:
     # are whole on every tp rank (models.abstract.fit_kv_heads); 0 when tp splits them.
     replicated_kv_bytes: int = 0
     replicated_kv_over: int = 1  # the tp ranks that each hold them whole (1: not replicated)
+    # With training.sync_gradients_every > 1 or reduce_dtype=bf16: the fp32 gradient buffer
+    # each device sums micro-batches in, whole along fsdp (the parameters of one replica over
+    # tp); within the temporaries. 0 when gradients are reduced as they are computed.
+    unsharded_grad_bytes: int = 0
 
     @property
     def replicated_kv_extra_bytes(self) -> int:
@@ -139,6 +160,14 @@ class MemoryPlan:
         lines += [
             f"  optimizer state     {format_bytes(self.opt_state_bytes):>12}",
             f"  gradients           {format_bytes(self.grad_bytes):>12}   (within the temporaries)",
+        ]
+        if self.unsharded_grad_bytes:
+            lines.append(
+                f"    unsharded sums    {format_bytes(self.unsharded_grad_bytes):>12}   "
+                "(summed whole along fsdp between reductions: training.sync_gradients_every, "
+                "reduce_dtype; within the temporaries)"
+            )
+        lines += [
             f"  activations + temps {format_bytes(self.activation_bytes):>12}   (XLA memory_analysis)",
             f"  total               {format_bytes(self.total_bytes):>12}   "
             f"(arguments {format_bytes(self.argument_bytes)} + outputs {format_bytes(self.output_bytes)} "
@@ -195,9 +224,12 @@ def memory_plan(
     remat: str = "none",
     scan_layers: bool = False,
     replicated_kv_over: int = 1,
+    unsharded_grad_axes: tuple[str, ...] = (),
 ) -> MemoryPlan:
     """The plan of a compiled train step whose state has these shapes and shardings;
-    `replicated_kv_over`: the tp ranks that hold the key/value projections whole (1: split)."""
+    `replicated_kv_over`: the tp ranks that hold the key/value projections whole (1: split);
+    `unsharded_grad_axes`: the mesh axes gradients are summed whole along before they are
+    reduced (train.gradients), if any."""
     analysis = compiled.memory_analysis()
     params = bytes_per_device(abstract_state.params, state_shardings.params)
     replicated_kv = 0
@@ -221,4 +253,7 @@ def memory_plan(
         scan_layers=scan_layers,
         replicated_kv_bytes=replicated_kv,
         replicated_kv_over=replicated_kv_over,
+        unsharded_grad_bytes=unsharded_grad_bytes(
+            abstract_state.params, state_shardings.params, unsharded_grad_axes
+        ),
     )

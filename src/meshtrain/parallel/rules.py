@@ -101,3 +101,13 @@ def check_divisible(abstract_params: Any, specs: Any, mesh_spec: MeshSpec) -> No
                     f"{'×'.join(axes)}={shards}, which does not divide it; change "
                     "model.mesh_shape or the model size so that it divides"
                 )
+
+
+def without_axes(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:
+    """`spec` with the mesh axes `axes` taken out: the layout of an array whole along them."""
+    entries = []
+    for entry in spec:
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        kept = tuple(a for a in names if a not in axes)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*entries)

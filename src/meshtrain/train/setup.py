@@ -36,6 +36,7 @@ from meshtrain.observe.progress import phase
 from meshtrain.observe.throughput import ThroughputMeter, peak_flops_per_device
 from meshtrain.parallel.mesh import MeshSpec, build_mesh, format_mesh_shape, parse_mesh_shape
 from meshtrain.parallel.rules import logical_to_spec
+from meshtrain.train.gradients import gradient_sync
 from meshtrain.train.optimizer import learning_rate_schedule
 from meshtrain.train.state import TrainState, abstract_train_state
 from meshtrain.train.step import make_train_step
@@ -165,8 +166,7 @@ def compile_train_step(
         state_shardings=shardings,
         batch_sharding=batch_sharding,
         pad_id=pad_id,
-        mixed_precision=cfg.training.mixed_precision,
-        nonfinite=cfg.training.nonfinite,
+        training=cfg.training,
     )
     abstract_batch = jax.ShapeDtypeStruct(setup.batch_shape, np.int32, sharding=batch_sharding)
     with phase(log, "compiling the train step", "compiled the train step"):
@@ -204,6 +204,9 @@ def inspect_compiled(
         remat=cfg.model.remat,
         scan_layers=cfg.model.scan_layers,
         replicated_kv_over=key_value_replicas(cfg.model, setup.mesh_spec),
+        unsharded_grad_axes=gradient_sync(
+            cfg.training, setup.mesh, cfg.model.logical_axis_rules
+        ).shards,
     )
     lines = plan.format()
     if cfg.training.profile_communication:

@@ -1,9 +1,9 @@
-"""One jitted train step (gradient accumulation as a lax.scan, mixed precision) and an eval step.
+"""One jitted train step (gradient accumulation, mixed precision) and an eval step.
 
 Batches are int32 [accum, micro_global, seq_len + 1]: inputs are tokens[..., :-1] and targets
 tokens[..., 1:]. The loss is the mean over all target tokens of the update that are not padding,
-so accumulating 4 micro-batches of 2 equals one micro-batch of 8. With one micro-batch there is
-no loop. The loss fuses the model's output projection with the cross-entropy
+so accumulating 4 micro-batches of 2 equals one micro-batch of 8. How the micro-batches'
+gradients are summed and reduced over the batch axes is train.gradients'. The loss fuses the model's output projection with the cross-entropy
 (`output_cross_entropy`): no [B, T, V] log-probabilities, nor logits kept for the backward pass.
 """
 
@@ -18,10 +18,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from meshtrain.config.schema import MixedPrecision
-from meshtrain.models.abstract import AbstractModel, merge_model
+from meshtrain.config.schema import MixedPrecision, TrainingConfig
+from meshtrain.models.abstract import AbstractModel, merge_model, without_mesh_axes
 from meshtrain.models.attention import select_attention
 from meshtrain.parallel.rules import constrain, mesh_axes_for
+from meshtrain.train.gradients import (
+    LossAndGrads,
+    gradient_sync,
+    grouped_accumulate,
+    implicit_accumulate,
+)
 from meshtrain.train.guard import guard_update
 from meshtrain.train.state import TrainState
 
@@ -230,38 +236,38 @@ def make_train_step(
     state_shardings: TrainState,
     batch_sharding: jax.sharding.NamedSharding,
     pad_id: int,
-    mixed_precision: str,
-    nonfinite: str = "stop",
+    training: TrainingConfig,
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """The compiled update: (state, batch) → (new state, metrics), with the state donated.
 
-    `nonfinite` (training.nonfinite): "skip" drops an update whose loss or gradient norm is not
-    finite; either way the first such step is recorded in `state.nonfinite` (see train.guard).
+    From `training`: the compute dtype (mixed_precision), how the gradients are reduced
+    (train.gradients: gradient_accumulation_steps, sync_gradients_every, reduce_dtype), and
+    `nonfinite`: "skip" drops an update whose loss or gradient norm is not finite; either way
+    the first such step is recorded in `state.nonfinite` (see train.guard).
     """
+    mixed_precision, nonfinite = training.mixed_precision, training.nonfinite
     compute_dtype = COMPUTE_DTYPES[mixed_precision]
     log_attention(model, compute_dtype)
-    grad_fn = jax.value_and_grad(
-        lambda params, tokens: token_loss_sum(
-            model, params, tokens, pad_id=pad_id, compute_dtype=compute_dtype
-        ),
-        has_aux=True,
-    )
+    param_shardings = state_shardings.params
+    mesh = jax.tree.leaves(param_shardings)[0].mesh
+
+    def loss_and_grads(model: AbstractModel) -> LossAndGrads:
+        return jax.value_and_grad(
+            lambda params, tokens: token_loss_sum(
+                model, params, tokens, pad_id=pad_id, compute_dtype=compute_dtype
+            ),
+            has_aux=True,
+        )
+
+    sync = gradient_sync(training, mesh, model.config.logical_axis_rules)
+    if sync.grouped:
+        grouped_model = without_mesh_axes(model, sync.grouped)
+        accumulate = grouped_accumulate(loss_and_grads(grouped_model), param_shardings, sync)
+    else:
+        accumulate = implicit_accumulate(loss_and_grads(model), param_shardings)
 
     def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
-        def accumulate(carry, micro_batch):  # micro_batch: [micro_global, seq_len + 1]
-            grad_sum, loss_sum, count = carry
-            (loss, tokens), grads = grad_fn(state.params, micro_batch)
-            grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
-            grad_sum = jax.lax.with_sharding_constraint(grad_sum, state_shardings.params)
-            return (grad_sum, loss_sum + loss, count + tokens), None
-
-        if batch.shape[0] == 1:  # one micro-batch: no loop, no zero-filled gradient sum
-            (loss_sum, count), grad_sum = grad_fn(state.params, batch[0])
-            grad_sum = jax.lax.with_sharding_constraint(grad_sum, state_shardings.params)
-        else:
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
-            init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-            (grad_sum, loss_sum, count), _ = jax.lax.scan(accumulate, init, batch)
+        grad_sum, loss_sum, count = accumulate(state.params, batch)
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grad_sum)
         grad_norm = optax.tree.norm(grads)
