@@ -1,5 +1,7 @@
-"""Test set-up: 8 faked CPU devices, set before JAX starts, a shared compilation cache, and the
-fixtures. The code tests share is in tests/helpers/ (`from helpers.config import ...`)."""
+"""Test set-up: 8 faked CPU devices, set before JAX starts, a shared compilation cache, the
+fixtures, and two checks of the whole session (helpers.guards): it fails if the tests wrote into
+the checkout's outputs/ or multirun/, or if a session without slow tests imported torch or
+transformers. The code tests share is in tests/helpers/ (`from helpers.config import ...`)."""
 # ruff: noqa: E402  (the environment must be set before anything imports jax)
 
 import atexit
@@ -33,6 +35,40 @@ os.environ["MESHTRAIN_CACHE_DIR"] = _MESHTRAIN_CACHE
 from pathlib import Path
 
 import pytest
+from helpers import guards
+
+_CHECKOUT = pytest.StashKey[guards.Snapshot]()
+_SLOW_SELECTED = pytest.StashKey[bool]()
+_FAILURES = pytest.StashKey[list[str]]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_CHECKOUT] = guards.snapshot()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # The tests this session runs, after `-m` (the default 'not slow') and `-k` deselected theirs.
+    selected = any(item.get_closest_marker("slow") for item in session.items)
+    session.config.stash[_SLOW_SELECTED] = selected
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    failures = []
+    changed = guards.changes(session.config.stash[_CHECKOUT], guards.snapshot())
+    if changed:
+        failures.append(guards.checkout_message(changed))
+    imported = guards.heavy_imports()
+    if imported and not session.config.stash.get(_SLOW_SELECTED, True):
+        failures.append(guards.heavy_import_message(imported))
+    if failures:
+        session.config.stash[_FAILURES] = failures
+        if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    for failure in config.stash.get(_FAILURES, []):
+        terminalreporter.write_line(f"FAILED (session): {failure}", red=True, bold=True)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.paths import REPO
-from helpers.process import launcher, run_launcher, subprocess_env
+from helpers.process import RUN_TRAINING, launcher, run_launcher, subprocess_env
 from helpers.runs import SMALL_RUN, losses
 
 from meshtrain.checkpoint import committed_steps, read_meta
@@ -198,7 +198,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
 def test_launcher_bad_input_is_one_line_and_exit_code_2():
     env = subprocess_env(8)
     env.update(MASTER_ADDR="10.0.0.1", MASTER_PORT="29500", WORLD_SIZE="8", RANK="6")
-    result = run_launcher("--nprocs", "4", "run_training.py", env=env, timeout=60)
+    result = run_launcher("--nprocs", "4", str(RUN_TRAINING), env=env, timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "meshtrain: error: RANK=6 + --nprocs 4 is more than WORLD_SIZE=8: this machine would run "

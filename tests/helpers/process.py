@@ -1,15 +1,23 @@
 """Child processes as a user starts them: `python run_training.py ...`, `python -m meshtrain.X`,
 `python -m meshtrain.launch ...`, each with its own faked CPU device count.
 
+A child runs in a fresh temporary directory unless told otherwise (`scratch_dir`), never in the
+checkout: a run without `hydra.run.dir` makes Hydra's `outputs/` (or `multirun/`) in its working
+directory, and tests/conftest.py fails the session if the checkout gains either.
+
 Imports nothing but the standard library (and helpers.paths and meshtrain.distributed.xla_flags):
 tests/conftest.py reads FAST_COMPILE from here before it sets up JAX's environment.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from helpers.paths import REPO
@@ -19,6 +27,7 @@ from meshtrain.distributed.xla_flags import with_cpu_collective_timeouts
 # compiles take half the time (the losses agree to the digits the docs print). Both sides of
 # every comparison run with the same flags.
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+RUN_TRAINING = REPO / "run_training.py"
 
 
 def subprocess_env(num_devices: int = 8) -> dict[str, str]:
@@ -32,17 +41,32 @@ def subprocess_env(num_devices: int = 8) -> dict[str, str]:
     return env
 
 
+@functools.cache
+def _scratch_root() -> Path:
+    """This process's directory of scratch working directories, removed when it exits."""
+    root = Path(tempfile.mkdtemp(prefix="meshtrain-test-cwd-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+def scratch_dir() -> Path:
+    """A new empty directory to run a child in, so that what it writes relative to its working
+    directory (Hydra's `outputs/` and `multirun/`) lands there and not in the checkout."""
+    return Path(tempfile.mkdtemp(dir=_scratch_root()))
+
+
 def run_python(
     *args: str | Path,
     devices: int = 8,
     env: dict[str, str] | None = None,
-    cwd: Path = REPO,
+    cwd: Path | None = None,
     timeout: float = 300,
 ) -> subprocess.CompletedProcess[str]:
-    """`python <args>` to its end, output captured; `env` (else subprocess_env(devices))."""
+    """`python <args>` to its end, output captured; `env` (else subprocess_env(devices)); in
+    `cwd` (else a scratch_dir: give scripts by absolute path, e.g. REPO / "run_training.py")."""
     return subprocess.run(
         [sys.executable, *map(str, args)],
-        cwd=cwd,
+        cwd=scratch_dir() if cwd is None else cwd,
         env=subprocess_env(devices) if env is None else env,
         capture_output=True,
         text=True,
@@ -56,8 +80,9 @@ def run_training(
     timeout: float = 300,
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """`python run_training.py <args>` in the repository, as the README runs it."""
-    return run_python("run_training.py", *args, devices=devices, env=env, timeout=timeout)
+    """`python run_training.py <args>`, as the README runs it, from a scratch_dir: a run
+    without `hydra.run.dir` lands in that directory's `outputs/`, not in the checkout's."""
+    return run_python(RUN_TRAINING, *args, devices=devices, env=env, timeout=timeout)
 
 
 def launcher(*args: str) -> list[str]:

@@ -7,7 +7,7 @@ import sys
 import jax
 import pytest
 from helpers.config import compose_config
-from helpers.process import run_python
+from helpers.process import RUN_TRAINING, run_python
 from helpers.tiny_model import F32, MATRIX_PARAMS, NORM_PARAMS
 
 from meshtrain.accelerators import accelerator_named
@@ -100,7 +100,7 @@ def test_a_large_model_plans_without_its_weights_in_memory(tmp_path):
     holds a small fraction of the 108 GB of fp32 weights (this machine has 24 GB)."""
     command = [
         sys.executable,
-        "run_training.py",
+        str(RUN_TRAINING),
         "model=gemma3_27b",
         'model.mesh_shape=[[8,2],["fsdp","tp"]]',
         "model.remat=full",

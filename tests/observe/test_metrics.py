@@ -13,11 +13,15 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tensorboardX.proto.event_pb2 import Event, SessionLog
-from tensorboardX.record_writer import masked_crc32c
 
 from meshtrain.observe import metrics
 from meshtrain.observe.metrics import MetricsWriter, setup_logging
+
+# tensorboardX's package imports torch where it is installed; meshtrain loads it without (and so
+# must the default tests: tests/conftest.py checks that they import no torch).
+metrics._import_summary_writer()
+from tensorboardX.proto.event_pb2 import Event, SessionLog  # noqa: E402
+from tensorboardX.record_writer import masked_crc32c  # noqa: E402
 
 STEP_METRICS = {
     "loss": 4.123449,

@@ -2,6 +2,8 @@
 machine and cached by processor, dtype and jax version; the timed matmul is faked here."""
 
 import json
+import logging
+import re
 
 import jax
 import pytest
@@ -112,6 +114,47 @@ def test_cpu_devices_share_the_machine_peak(fake, tmp_path, monkeypatch):
     assert f"shared by {len(devices)} cpu device(s)" in source
     assert str(tmp_path / "peak.json") in source
     assert peak_flops_per_device(devices[:1], "fp32")[0] == pytest.approx(130 * GFLOP)
+
+
+@pytest.fixture
+def peak_log():
+    """The INFO lines of meshtrain.observe.throughput, caught by a handler of its own (a run's
+    setup_logging may stop the "meshtrain" loggers from reaching pytest's caplog)."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    level = throughput.log.level
+    throughput.log.addHandler(handler)
+    throughput.log.setLevel(logging.INFO)
+    yield lines
+    throughput.log.removeHandler(handler)
+    throughput.log.setLevel(level)
+
+
+def test_start_up_announces_the_peak_measurement_only_when_the_cache_is_cold(
+    fake, tmp_path, monkeypatch, peak_log
+):
+    """What a run's start-up calls (peak_flops_per_device) with an empty MESHTRAIN_CACHE_DIR:
+    the phase line before the 1-2 s of matmuls, then its time; with peak.json there, silence."""
+    monkeypatch.setenv("MESHTRAIN_CACHE_DIR", str(tmp_path))
+    device = jax.devices()[:1]
+    peak, _ = peak_flops_per_device(device, "fp32")
+    assert peak == 130 * GFLOP
+    path = tmp_path / "peak.json"
+    assert peak_log[0] == (
+        f"measuring this machine's fp32 matmul peak for MFU (once; cached in {path})..."
+    )
+    assert re.fullmatch(r"measured the matmul peak in \d+\.\d s", peak_log[1]), peak_log
+    assert len(peak_log) == 2 and path.is_file()
+    timed = len(fake.timed)
+    assert timed == 4  # 256² to 2048², measured once
+    peak_log.clear()
+    monkeypatch.setattr(throughput, "_memo", {})  # the next launch: the cache is warm
+    assert peak_flops_per_device(device, "fp32")[0] == 130 * GFLOP
+    assert peak_log == [] and len(fake.timed) == timed
+    fake.rates[2048] = 140 * GFLOP  # refresh=True measures (and says so) even with a warm cache
+    assert peak_flops_per_device(device, "fp32", refresh=True)[0] == 140 * GFLOP
+    assert peak_log[0].startswith("measuring this machine's fp32 matmul peak")
 
 
 def test_a_real_measurement_is_positive_and_the_best_of_its_sizes(monkeypatch):

@@ -91,7 +91,7 @@ class ProgressBar:
         self._stop = threading.Event()
         self._started = time.perf_counter()
         self._thread_cpu_s = 0.0
-        self._cpu_percent = 0.0
+        self._wall_s = 0.0
         self._progress.start()
         self._thread = threading.Thread(target=self._run, name="meshtrain-progress", daemon=True)
         self._thread.start()
@@ -137,19 +137,28 @@ class ProgressBar:
         with self._lock:
             self._poll()  # the loop fetched its last step's metrics: every step has finished
             self._progress.stop()
-        wall = time.perf_counter() - self._started
-        self._cpu_percent = 100 * self._thread_cpu_s / max(wall, 1e-9)
+        self._wall_s = time.perf_counter() - self._started
         log.debug(
             "progress bar: %.3f s of CPU in %.1f s (%.2f%% of one core)",
             self._thread_cpu_s,
-            wall,
-            self._cpu_percent,
+            self._wall_s,
+            self.cpu_percent,
         )
+
+    @property
+    def thread_cpu_s(self) -> float:
+        """CPU seconds the bar's thread used (after close)."""
+        return self._thread_cpu_s
+
+    @property
+    def wall_s(self) -> float:
+        """Seconds from the bar's start to its close (after close)."""
+        return self._wall_s
 
     @property
     def cpu_percent(self) -> float:
         """The CPU time of the bar's thread, in % of one core over the bar's life (after close)."""
-        return self._cpu_percent
+        return 100 * self._thread_cpu_s / max(self._wall_s, 1e-9)
 
     def __enter__(self) -> ProgressBar:
         return self
