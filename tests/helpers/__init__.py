@@ -6,4 +6,5 @@ runs: tiny training runs in-process and the metrics they write. docs: the fenced
 commands of the Markdown docs. tiny_model: the tiny model's parameter counts. tiny_hf,
 tiny_tokenizers: small Hugging Face checkpoints (with transformers' committed numbers) and
 tokenizers made on the spot; tiny_hf_torch: the same checkpoints in transformers (needs torch).
+meshes: a model's parameters copied onto a mesh.
 """
