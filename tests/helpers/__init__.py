@@ -7,4 +7,5 @@ commands of the Markdown docs. tiny_model: the tiny model's parameter counts. ti
 tiny_tokenizers: small Hugging Face checkpoints (with transformers' committed numbers) and
 tokenizers made on the spot; tiny_hf_torch: the same checkpoints in transformers (needs torch).
 guards: the session's own checks (nothing written into the checkout, no torch by default).
+meshes: a model's parameters copied onto a mesh.
 """

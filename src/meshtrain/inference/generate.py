@@ -1,12 +1,19 @@
-"""Greedy or sampled text generation, for sanity checks of a model: `meshtrain.generate(model,
-tokenizer, prompt)`; its command line is meshtrain.cli.generate.
+"""Greedy or sampled text generation: `meshtrain.generate(model, tokenizer, prompt)`; its command
+line is meshtrain.cli.generate.
 
-Every new token runs the model over the whole fixed-length buffer (no key/value cache): one
-compilation, quadratic cost, fine for the few dozen tokens of a sanity check.
+Two compiled programs per (prompt length bucket, max_new_tokens): a prefill that runs the
+prompt, padded to a power of two (at least MIN_BUCKET tokens) so that prompts of similar
+lengths share it, and fills a key/value cache with room for the bucket plus max_new_tokens
+positions (models.decode); and a one-token decode step, reused for every further token, that
+reads the cache instead of rerunning the sequence. Each returns the picked token and the next
+random key, so nothing else compiles. On a sharded model (`meshtrain.load_hf(path, mesh)`,
+`load_checkpoint`) both run under the parameters' mesh, and the cache is sharded like the
+layers' keys and values. Tokens/s before and after the cache: docs/models.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import jax
@@ -15,19 +22,43 @@ import numpy as np
 from flax import nnx
 
 from meshtrain.data.tokenizer import Tokenizer
+from meshtrain.models import decode
 from meshtrain.models.transformer import Transformer
 
+MIN_BUCKET = 16  # the shortest padded prompt: shorter prompts share one prefill program
 
-@partial(nnx.jit, static_argnames=("vocab_size", "greedy"))
-def _next_token(model, tokens, position, key, temperature, *, vocab_size, greedy):
-    """The token after tokens[0, position - 1]. tokens: int32 [1, total]."""
-    logits = model(tokens)[0].astype(jnp.float32)  # [total, V]
-    logits = jax.lax.dynamic_index_in_dim(logits, position - 1, keepdims=False)  # [V]
+
+def prompt_bucket(length: int) -> int:
+    """The padded length of a prompt of `length` tokens: the next power of two, at least
+    MIN_BUCKET. A new bucket (or max_new_tokens) compiles two programs; a new length within
+    one does not."""
+    return max(MIN_BUCKET, 1 << (length - 1).bit_length())
+
+
+def _pick(logits: jax.Array, key: jax.Array, temperature, *, vocab_size: int, greedy: bool):
+    """The next token from logits [1, V]: the most likely, or sampled at `temperature`."""
+    logits = logits[0].astype(jnp.float32)  # [V]
     # Embedding rows past the tokenizer's vocabulary are padding, never a real token.
     logits = jnp.where(jnp.arange(logits.shape[0]) < vocab_size, logits, -jnp.inf)
     if greedy:
-        return jnp.argmax(logits)
-    return jax.random.categorical(key, logits / temperature)
+        return jnp.argmax(logits).astype(jnp.int32)
+    return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+
+
+@partial(nnx.jit, static_argnames=("cache_length", "vocab_size", "greedy"), graph=False)
+def _prefill(model, tokens, length, seed, temperature, *, cache_length, vocab_size, greedy):
+    """The first new token after tokens[0, :length] (int32 [1, bucket]), the cache, the key."""
+    logits, cache = decode.prefill(model, tokens, length, cache_length)  # [1, V]
+    key, step_key = jax.random.split(jax.random.key(seed))
+    return _pick(logits, step_key, temperature, vocab_size=vocab_size, greedy=greedy), cache, key
+
+
+@partial(nnx.jit, static_argnames=("vocab_size", "greedy"), donate_argnames=("cache",), graph=False)
+def _decode(model, token, position, cache, key, temperature, *, vocab_size, greedy):
+    """The token after `token` (int32 scalar) at `position`, the updated cache, the next key."""
+    logits, cache = decode.decode_step(model, token.reshape(1, 1), position, cache)  # [1, V]
+    key, step_key = jax.random.split(key)
+    return _pick(logits, step_key, temperature, vocab_size=vocab_size, greedy=greedy), cache, key
 
 
 def generate(
@@ -44,17 +75,32 @@ def generate(
     ids = ([tokenizer.bos_id] if tokenizer.bos_id >= 0 else []) + tokenizer.encode(prompt).tolist()
     if not ids:
         raise ValueError("the prompt is empty and the tokenizer has no bos token to start from")
-    start, total = len(ids), len(ids) + max_new_tokens
-    tokens = np.zeros((1, total), np.int32)  # [1, total]; positions after the current one are
-    tokens[0, :start] = ids  # never seen by the causal model, so zeros are as good as anything
+    if max_new_tokens < 1:
+        return ""
+    bucket = prompt_bucket(len(ids))
+    tokens = np.zeros((1, bucket), np.int32)  # [1, bucket]: the padding after the prompt is
+    tokens[0, : len(ids)] = ids  # never seen by its causal queries
     static = dict(vocab_size=tokenizer.vocab_size, greedy=temperature == 0)
-    key = jax.random.key(seed)
-    end = start
-    for position in range(start, total):
-        key, step_key = jax.random.split(key)
-        token = int(_next_token(model, tokens, position, step_key, temperature, **static))
-        if token == tokenizer.eos_id:
-            break
-        tokens[0, position] = token
-        end = position + 1
-    return tokenizer.decode(tokens[0, start:end])
+    temperature = np.float32(temperature)
+    mesh = decode.params_mesh(model)
+    new: list[int] = []
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        token, cache, key = _prefill(
+            model,
+            tokens,
+            np.int32(len(ids)),
+            seed,
+            temperature,
+            cache_length=bucket + max_new_tokens,
+            **static,
+        )
+        position = len(ids)  # where `token` goes in the sequence
+        while (picked := int(token)) != tokenizer.eos_id:
+            new.append(picked)
+            if len(new) == max_new_tokens:
+                break
+            token, cache, key = _decode(
+                model, token, np.int32(position), cache, key, temperature, **static
+            )
+            position += 1
+    return tokenizer.decode(np.asarray(new, np.int32))

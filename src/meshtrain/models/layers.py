@@ -194,6 +194,31 @@ class Attention(nnx.Module):
     ) -> jax.Array:
         """x: [B, T, D] → [B, T, D]; sin, cos: [B, T, 1, H/2] (rope_angles); window: this
         layer's sliding window (None: full causal); segment_ids: optional int32 [B, T]."""
+        q, k, v = self.queries_keys_values(x, sin, cos)
+        k, v = self.expand_kv(k, v)
+        # Query head n reads key/value head n // G (G = N / K), so the tp sharding of the heads
+        # keeps each group on the device of its key/value head.
+        out = dot_product_attention(
+            q,
+            k,
+            v,
+            kernel=kernel,
+            scale=self.scale,
+            window=window,
+            segment_ids=segment_ids,
+        )  # [B, T, N, H]
+        return self.output(out)
+
+    @property
+    def scale(self) -> float:
+        """The factor of the attention scores."""
+        return 1.0 / math.sqrt(self.score_scale_dim)
+
+    def queries_keys_values(
+        self, x: jax.Array, sin: jax.Array, cos: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x: [B, T, D] → queries [B, T, N, H], keys and values [B, T, K, H]: projected,
+        QK-normed and rotated (the keys and values are what a key/value cache holds)."""
         dtype = x.dtype
         q = project("BTD,DNH->BTNH", x, self.q[...].astype(dtype))
         k = project("BSD,DKH->BSKH", x, self.k[...].astype(dtype))
@@ -203,32 +228,24 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "length", "kv_heads", None), self.rules)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, sin, cos)
-        k = apply_rope(k, sin, cos)
-        if mesh_axes_for("kv_heads", self.rules) != mesh_axes_for("heads", self.rules):
-            # Key/value heads replicated while the query heads are split (more tp ranks than
-            # key/value heads, models.abstract.fit_kv_heads): repeat each for its G query heads,
-            # so that each rank holds exactly the ones its query heads read.
-            groups = self.num_heads // self.num_kv_heads
-            k = constrain(
-                jnp.repeat(k, groups, axis=2), ("batch", "length", "heads", None), self.rules
-            )
-            v = constrain(
-                jnp.repeat(v, groups, axis=2), ("batch", "length", "heads", None), self.rules
-            )
-        # Query head n reads key/value head n // G (G = N / K), so the tp sharding of the heads
-        # keeps each group on the device of its key/value head.
-        out = dot_product_attention(
-            q,
-            k,
-            v,
-            kernel=kernel,
-            scale=1.0 / math.sqrt(self.score_scale_dim),
-            window=window,
-            segment_ids=segment_ids,
-        )  # [B, T, N, H]
+        return apply_rope(q, sin, cos), apply_rope(k, sin, cos), v
+
+    def expand_kv(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Keys and values [B, S, K, H] as the attention kernel reads them: unchanged, or
+        [B, S, N, H] when the key/value heads are replicated while the query heads are split
+        (more tp ranks than key/value heads, models.abstract.fit_kv_heads): each repeated for
+        its G query heads, so that each rank holds exactly the ones its query heads read."""
+        if mesh_axes_for("kv_heads", self.rules) == mesh_axes_for("heads", self.rules):
+            return k, v
+        groups = self.num_heads // self.num_kv_heads
+        k = constrain(jnp.repeat(k, groups, axis=2), ("batch", "length", "heads", None), self.rules)
+        v = constrain(jnp.repeat(v, groups, axis=2), ("batch", "length", "heads", None), self.rules)
+        return k, v
+
+    def output(self, out: jax.Array) -> jax.Array:
+        """The attention's output [B, T, N, H] projected back to [B, T, D]."""
         out = constrain(out, ("batch", "length", "heads", None), self.rules)
-        return project("BTNH,NHD->BTD", out, self.o[...].astype(dtype))
+        return project("BTNH,NHD->BTD", out, self.o[...].astype(out.dtype))
 
 
 class GatedMLP(nnx.Module):

@@ -126,6 +126,11 @@ class Block(nnx.Module):
         attn = self.attn(
             self.attn_norm(x), sin, cos, kernel=kernel, window=window, segment_ids=segment_ids
         )
+        return self.after_attention(x, attn)
+
+    def after_attention(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+        """The rest of the block, given its input x and the attention's output, both [B, T, D]:
+        the residual adds and the MLP (the decode path computes the attention its own way)."""
         if self.attn_post_norm is not None:
             attn = self.attn_post_norm(attn)
         x = constrain(x + attn, ("batch", "length", None), self.rules)
@@ -217,26 +222,38 @@ class Transformer(nnx.Module):
     ) -> jax.Array:
         """The final-normed residual stream [B, T, D] that the output projection turns into
         logits (the loss fuses that projection with the cross-entropy: meshtrain.train.step)."""
-        embed = self.embed[...]
-        dtype = embed.dtype  # the compute dtype: the caller casts the parameters
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed_tokens(tokens)
+        kernel, _ = self.attention_kernel(x.dtype)
+        x = self._run_blocks(x, self.rope_per_kind(positions), self.kind_index, kernel, segment_ids)
+        return self.final_norm(x)
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens int32 [B, T] → the residual stream's input [B, T, D], in the compute dtype
+        (that of the embedding: the caller casts the parameters)."""
+        embed = self.embed[...]
         if self.gather_table:
             embed = constrain(embed, ("vocab", None), self.rules)
         x = jnp.take(embed, tokens, axis=0)  # [B, T, D]
         if self.embed_scale is not None:
-            x = x * jnp.asarray(self.embed_scale, dtype)
-        x = constrain(x, ("batch", "length", None), self.rules)
-        # RoPE angles depend only on the layer kind: computed once, shared by the layers.
+            x = x * jnp.asarray(self.embed_scale, embed.dtype)
+        return constrain(x, ("batch", "length", None), self.rules)
+
+    def rope_per_kind(self, positions: jax.Array) -> list[tuple[jax.Array, jax.Array, int | None]]:
+        """(sin, cos, window) of each kind in kinds_used at positions [B, T]: RoPE angles
+        depend only on the layer kind, so they are computed once and shared by the layers."""
         per_kind = []
         for kind in self.kinds_used:
             sin, cos = rope_angles(positions, self.rope[kind].inv_freq(self.head_dim))
             window = self.sliding_window if kind == "local" else None
             per_kind.append((sin, cos, window))
-        kind_index = [self.kinds_used.index(k) for k in self.layer_kinds]
-        kernel, _ = self.attention_kernel(dtype)
-        x = self._run_blocks(x, per_kind, kind_index, kernel, segment_ids)
-        return self.final_norm(x)
+        return per_kind
+
+    @property
+    def kind_index(self) -> list[int]:
+        """For each layer, the index of its kind in kinds_used."""
+        return [self.kinds_used.index(k) for k in self.layer_kinds]
 
     def output_weight(self) -> tuple[jax.Array, str]:
         """The output projection and its layout: the embedding [V, D] ("VD") when tied, else

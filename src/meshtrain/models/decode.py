@@ -1,0 +1,169 @@
+"""The transformer with a key/value cache, for generation: `prefill` runs the prompt once and
+keeps every layer's keys and values, then `decode_step` runs one new token against them.
+
+Without a cache every new token reruns the whole sequence (quadratic in its length); with it,
+a token costs one pass of the weights plus one read of the cache. Both use the model's own
+parameters and layers (models.transformer, models.layers), so they serve every family: QK-norm,
+local layers with their window and RoPE base, sandwich norms, embedding scaling, grouped-query
+attention down to one key/value head, `scan_layers` and key/value heads replicated over tp.
+
+The cache holds, per layer, the rotated keys and the values of every position so far:
+[layers, B, S, K, H], S = the positions it has room for, sharded like the keys and values of
+the layers (K over tp, or replicated where models.abstract.fit_kv_heads replicates them).
+Positions past the current one hold zeros or the keys of prompt padding; the causal mask keeps
+any query from reading them, and the next token overwrites them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from meshtrain.models.attention import AttentionKernel, attention_mask, dot_product_attention
+from meshtrain.models.transformer import Block, Transformer
+from meshtrain.parallel.rules import constrain
+
+CACHE_AXES = ("layers", "batch", "length", "kv_heads", None)  # logical axes of KVCache arrays
+LAYER_CACHE_AXES = CACHE_AXES[1:]
+
+
+class KVCache(NamedTuple):
+    """Every layer's rotated keys and its values, [layers, B, S, K, H] each."""
+
+    keys: jax.Array
+    values: jax.Array
+
+
+def params_mesh(model: Transformer) -> Mesh | None:
+    """The mesh the model's parameters are sharded over (None: they live on one device without
+    a mesh), for `jax.set_mesh` around the compiled generation, so that `constrain` shards the
+    activations and the cache as in training."""
+    sharding = getattr(model.embed[...], "sharding", None)
+    return sharding.mesh if isinstance(sharding, NamedSharding) else None
+
+
+def init_cache(model: Transformer, batch: int, length: int) -> KVCache:
+    """A cache of zeros with room for `length` positions, in the compute dtype of the model."""
+    attn = model.blocks.attn if model.scan_layers else model.blocks[0].attn
+    shape = (len(model.layer_kinds), batch, length, attn.num_kv_heads, attn.head_dim)
+    zeros = constrain(jnp.zeros(shape, model.embed[...].dtype), CACHE_AXES, model.rules)
+    return KVCache(zeros, zeros)  # [L, B, S, K, H]
+
+
+def prefill(
+    model: Transformer, tokens: jax.Array, length: jax.Array, cache_length: int
+) -> tuple[jax.Array, KVCache]:
+    """Runs tokens [B, P] (a prompt of `length` tokens and any padding after it) with the
+    training path's attention kernel, and keeps their keys and values in a new cache of
+    `cache_length` ≥ P positions. Returns the logits [B, V] after token length - 1 (those of
+    the padding are never computed) and the cache."""
+    batch, prompt = tokens.shape
+    cache = init_cache(model, batch, cache_length)
+    positions = jnp.broadcast_to(jnp.arange(prompt), tokens.shape)  # [B, P]
+    x, cache = _run(model, tokens, positions, cache, start=0, prefill=True)  # [B, P, D]
+    last = jax.lax.dynamic_slice_in_dim(x, length - 1, 1, axis=1)  # [B, 1, D]
+    return model.logits(model.final_norm(last))[:, 0], cache
+
+
+def decode_step(
+    model: Transformer, tokens: jax.Array, position: jax.Array, cache: KVCache
+) -> tuple[jax.Array, KVCache]:
+    """Runs tokens [B, 1] at `position` (every earlier position is in the cache): returns the
+    logits [B, V] of the next token and the cache with this token's keys and values added."""
+    positions = jnp.full(tokens.shape, position, jnp.int32)  # [B, 1]
+    x, cache = _run(model, tokens, positions, cache, start=position, prefill=False)
+    return model.logits(model.final_norm(x))[:, 0], cache
+
+
+def _run(
+    model: Transformer,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    *,
+    start: jax.Array | int,
+    prefill: bool,
+) -> tuple[jax.Array, KVCache]:
+    """The blocks over tokens [B, T] at positions start … start + T - 1, each layer writing its
+    keys and values into the cache there. Returns the residual stream [B, T, D] before the
+    final norm, and the cache."""
+    x = model.embed_tokens(tokens)  # [B, T, D]
+    per_kind = model.rope_per_kind(positions)
+    kernel, _ = model.attention_kernel(x.dtype)
+
+    def layer(block: Block, kind: int, x, keys, values):
+        sin, cos, window = per_kind[kind]
+        return _cached_block(
+            block, x, sin, cos, keys, values, start, window=window, kernel=kernel, prefill=prefill
+        )
+
+    if not model.scan_layers:
+        keys, values = cache
+        for i, (block, kind) in enumerate(zip(model.blocks, model.kind_index, strict=True)):
+            x, layer_keys, layer_values = layer(block, kind, x, keys[i], values[i])
+            keys, values = keys.at[i].set(layer_keys), values.at[i].set(layer_values)
+    else:
+        graphdef, stacked = nnx.split(model.blocks)
+
+        def scanned(x, xs):
+            params, kind, keys, values = xs
+            branches = [
+                lambda x, keys, values, k=k: layer(nnx.merge(graphdef, params), k, x, keys, values)
+                for k in range(len(per_kind))
+            ]
+            # Each kind's window is static inside its branch (the training kernels slice by it).
+            if len(branches) == 1:
+                x, keys, values = branches[0](x, keys, values)
+            else:
+                x, keys, values = jax.lax.switch(kind, branches, x, keys, values)
+            return x, (keys, values)
+
+        kinds = jnp.asarray(model.kind_index, jnp.int32)  # [L]
+        x, (keys, values) = jax.lax.scan(scanned, x, (stacked, kinds, *cache))
+    cache = KVCache(*(constrain(c, CACHE_AXES, model.rules) for c in (keys, values)))
+    return x, cache
+
+
+def _cached_block(
+    block: Block,
+    x: jax.Array,
+    sin: jax.Array,
+    cos: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    start: jax.Array | int,
+    *,
+    window: int | None,
+    kernel: AttentionKernel,
+    prefill: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One Block over x [B, T, D] at positions start … start + T - 1, its attention reading the
+    layer's cache keys and values [B, S, K, H] once this step's are written into them.
+
+    prefill (start 0): the queries see only the new keys, through the training path's kernel,
+    so the prompt's logits are those of the model's own call. Decode: the queries see the
+    whole cache, masked to the positions at or before them (and within the window)."""
+    attn, rules = block.attn, block.rules
+    q, k, v = attn.queries_keys_values(block.attn_norm(x), sin, cos)  # [B, T, N|K, H]
+    keys = constrain(
+        jax.lax.dynamic_update_slice_in_dim(keys, k, start, 1), LAYER_CACHE_AXES, rules
+    )
+    values = constrain(
+        jax.lax.dynamic_update_slice_in_dim(values, v, start, 1), LAYER_CACHE_AXES, rules
+    )
+    if prefill:
+        out = dot_product_attention(
+            q, *attn.expand_kv(k, v), kernel=kernel, scale=attn.scale, window=window
+        )  # [B, T, N, H]
+    else:
+        all_keys, all_values = attn.expand_kv(keys, values)  # [B, S, K or N, H]
+        query_positions = start + jnp.arange(q.shape[1])  # [T]
+        mask = attention_mask(query_positions, jnp.arange(keys.shape[1]), window=window)
+        out = jax.nn.dot_product_attention(
+            q, all_keys, all_values, mask=mask, scale=attn.scale, implementation="xla"
+        )  # [B, T, N, H]
+    return block.after_attention(x, attn.output(out)), keys, values

@@ -1,0 +1,87 @@
+"""The key/value cache path (models.decode): the logits of a padded prefill and of every decode
+step equal those of the model's own call on the same prefix, for each family (Gemma past its
+sliding window, with scan_layers too), and on a [[4,2]] mesh the cache is sharded like the
+layers' keys and values (split over tp, or replicated when tp exceeds the key/value heads)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import tiny_hf
+from helpers.meshes import on_mesh
+from jax.sharding import NamedSharding
+
+import meshtrain
+from meshtrain.config import ModelConfig
+from meshtrain.models import decode
+from meshtrain.models.transformer import Transformer
+from meshtrain.parallel.rules import logical_to_spec
+
+CACHED_TOLERANCE = 1e-5  # relative to the largest logit; measured ~1e-6 (fp32 rounding)
+PROMPT = 8  # tokens of the prefill, padded to BUCKET; the rest are decode steps
+BUCKET = 16
+_prefill = nnx.jit(decode.prefill, static_argnames="cache_length", graph=False)
+_step = nnx.jit(decode.decode_step, graph=False)
+
+
+def cached_logits(model: Transformer, tokens: np.ndarray) -> np.ndarray:
+    """[T - PROMPT + 1, B, V]: the logits after tokens[:, :PROMPT] (a prefill of BUCKET
+    positions, zeros after the prompt), then after each further token, one decode step each."""
+    batch, length = tokens.shape
+    padded = np.zeros((batch, BUCKET), np.int32)  # [B, BUCKET]
+    padded[:, :PROMPT] = tokens[:, :PROMPT]
+    logits, cache = _prefill(model, padded, np.int32(PROMPT), cache_length=BUCKET + length)
+    rows = [np.asarray(logits)]
+    for position in range(PROMPT, length):
+        logits, cache = _step(model, tokens[:, position : position + 1], np.int32(position), cache)
+        rows.append(np.asarray(logits))
+    return np.stack(rows)
+
+
+def errors(cached: np.ndarray, full: np.ndarray) -> list[float]:
+    """Relative error of each step's cached logits against the full call's [B, T, V]."""
+    return [tiny_hf.relative_error(step, full[:, PROMPT - 1 + i]) for i, step in enumerate(cached)]
+
+
+@pytest.mark.parametrize(
+    ("family", "scan_layers"),
+    [("llama", False), ("qwen3", False), ("gemma3", False), ("gemma3", True)],
+)
+def test_each_decode_step_equals_the_full_recompute(family, scan_layers, tmp_path):
+    directory = tiny_hf.write_checkpoint(family, tmp_path / family)
+    model = meshtrain.load_hf(directory, scan_layers=scan_layers)
+    tokens = tiny_hf.TOKENS[:1].astype(np.int32)  # [1, 40]: past Gemma's 16-token window
+    # A causal model's logits at position p are those of the prefix tokens[:, :p + 1].
+    full = np.asarray(model(tokens))  # [1, 40, V]
+    cached = cached_logits(model, tokens)
+    assert cached.shape == (tokens.shape[1] - PROMPT + 1, 1, tiny_hf.VOCAB)
+    assert max(errors(cached, full)) <= CACHED_TOLERANCE
+
+
+CFG = ModelConfig(num_heads=4, head_dim=32, init_std=0.2)  # the tiny model, 4 query heads
+MESH = [[4, 2], ["fsdp", "tp"]]
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_on_a_mesh_the_cache_is_sharded_like_the_keys_and_values(kv_heads):
+    cfg = dataclasses.replace(CFG, num_kv_heads=kv_heads)
+    alone = Transformer(cfg, rngs=nnx.Rngs(0))
+    sharded = on_mesh(alone, cfg, MESH)
+    tokens = np.random.default_rng(0).integers(0, 259, (4, 24)).astype(np.int32)  # [B=4, T]
+    mesh = decode.params_mesh(sharded)
+    with jax.set_mesh(mesh):
+        cached = cached_logits(sharded, tokens)
+        _, cache = _prefill(sharded, tokens[:, :BUCKET], np.int32(BUCKET), cache_length=32)
+    assert max(errors(cached, np.asarray(alone(tokens)))) <= CACHED_TOLERANCE
+    rules = sharded.rules  # kv_heads replicated when 2 tp ranks share 1 key/value head
+    assert (rules["kv_heads"] is None) == (kv_heads == 1)
+    want = NamedSharding(mesh, logical_to_spec(decode.CACHE_AXES, rules))
+    assert cache.keys.sharding.is_equivalent_to(want, 5)
+    assert cache.values.sharding.is_equivalent_to(want, 5)
+    # [layers, B, S, K, H] per device: the batch over fsdp=4; K over tp=2 when it divides.
+    shard = (cfg.num_layers, 1, 32, 1, cfg.head_dim)
+    assert {s.data.shape for s in cache.keys.addressable_shards} == {shard}

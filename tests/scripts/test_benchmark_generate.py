@@ -1,0 +1,25 @@
+"""scripts/benchmark_generate.py: one quick run of the tiny model reports consistent numbers as
+JSON (the tokens/s docs/models.md records come from it)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers.paths import REPO
+
+
+def test_tiny_quick_json():
+    command = [sys.executable, str(REPO / "scripts" / "benchmark_generate.py")]
+    args = ["--prompt-tokens", "5", "--new-tokens", "6", "--runs", "3", "--json"]
+    proc = subprocess.run([*command, *args], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = proc.stdout.strip().splitlines()
+    result = json.loads(line)
+    assert (result["model"], result["prompt_tokens"], result["new_tokens"]) == ("tiny", 5, 6)
+    assert len(result["runs_s"]) == 3 and result["median_s"] == sorted(result["runs_s"])[1]
+    assert result["tokens_per_sec"] == pytest.approx(6 / result["median_s"])
+    assert result["first_call_s"] > result["median_s"] > 0  # the first call compiles
+    assert result["command"].startswith("python scripts/benchmark_generate.py --prompt-tokens 5")
+    for key in ("machine", "date", "jax"):
+        assert result[key]
