@@ -1,11 +1,12 @@
-"""Re-measures the times that README.md and docs/ state, so that a stale claim is caught.
+"""Re-measures the times and sizes that README.md and docs/ state, so that a stale claim is caught.
 
     python scripts/check_claims.py [--all] [--suite] [--strict] [--json]
 
 Each claim is a sentence of a document (CLAIMS: the file, the exact words, the number they
 state) and the command that measures it on this machine. The script prints, for each, the
 number claimed, the number measured and whether they agree within a factor of TOLERANCE either
-way: a claim that became too slow, or too pessimistic, is stale. Without flags it measures the
+way (a time: a claim that became too slow, or too pessimistic, is stale), or to the rounding of
+the digits stated (a size the memory planner computes: it does not depend on the machine). Without flags it measures the
 quick claims (about 2 minutes on 2 cores); --all adds the long planning compiles (about 3
 minutes more), --suite the default test suite (about 6.5 minutes more). --strict exits with 1
 when a measured claim disagrees. Times depend on the machine and on what else runs: measure on a
@@ -13,7 +14,8 @@ quiet machine of the kind the document names (2 CPU cores). CI (.ci/run) runs it
 --strict, as a report that fails nothing: on a shared machine, the noise would decide.
 
 tests/scripts/test_check_claims.py checks, without timing anything, that every claim's words
-are still in its document and that README.md states no time this script does not measure.
+are still in its document and that README.md states no time or size this script does not
+measure.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ PLANNING_27B = (
     "plan.fake_devices=16 plan.device=h100 training.micro_batch_size=1"
 )
 COMPILED = re.compile(r"compiled the train step in ([\d.]+) s")
+PLANNED_TOTAL = re.compile(r"total\s+([\d.]+) GiB")  # the memory plan's total per device
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,14 @@ class Claim:
     doc: str  # path from the repository root
     words: str  # the exact words in the document that state it
     claimed: float  # the number the words state, in `unit`
-    unit: str  # "s", "min" or "%"
+    unit: str  # "s", "min", "%" or "GiB"
     measure: str  # a key of MEASURES
     group: str = "quick"  # quick, all (long planning compiles) or suite
+
+    @property
+    def exact(self) -> bool:
+        """A size the planner computes: it holds to the rounding of its digits."""
+        return self.unit == "GiB"
 
 
 @dataclass
@@ -187,6 +195,9 @@ MEASURES: dict[str, Callable[[Measurements], float]] = {
     "default_training_warm_s": lambda m: m.default_training()[1].seconds,
     "progress_bar_cpu_percent": lambda m: m.progress_bar_cpu_percent(),
     "readme_27b_plan_s": lambda m: m.plan(README_27B_PLAN).seconds,
+    "readme_27b_plan_gib": lambda m: float(
+        PLANNED_TOTAL.findall(m.plan(README_27B_PLAN).output)[-1]
+    ),
     "cold_compile_s": lambda m: _compiled_s(m.compile_cache()[0]),
     "warm_compile_s": lambda m: _compiled_s(m.compile_cache()[1]),
     "cold_launch_s": lambda m: m.compile_cache()[0].seconds,
@@ -208,6 +219,7 @@ CLAIMS = (
     Claim("README.md", "about 15 s once its\ncaches are warm", 15, "s", "default_training_warm_s"),
     Claim("README.md", "about 0.7%\nof one core", 0.7, "%", "progress_bar_cpu_percent"),
     Claim("README.md", "planned in about 17 s on 2 CPU cores", 17, "s", "readme_27b_plan_s"),
+    Claim("README.md", "38.64 GiB per device", 38.64, "GiB", "readme_27b_plan_gib"),
     Claim("README.md", "in about 6.5 minutes on 2 CPU cores", 6.5, "min", "suite_min", "suite"),
     Claim("docs/checkpointing.md", "compiled its train step in 0.5 s", 0.5, "s", "warm_compile_s"),
     Claim("docs/checkpointing.md", "instead of 2.5 s", 2.5, "s", "cold_compile_s"),
@@ -240,8 +252,15 @@ CLAIMS = (
 )
 
 
-def holds(claimed: float, measured: float) -> bool:
+def holds(claimed: float, measured: float, *, exact: bool = False) -> bool:
+    if exact:  # the same number to the digits stated
+        return f"{measured:.{_decimals(claimed)}f}" == f"{claimed:.{_decimals(claimed)}f}"
     return claimed / TOLERANCE <= measured <= claimed * TOLERANCE
+
+
+def _decimals(number: float) -> int:
+    text = repr(number)
+    return len(text.split(".")[1]) if "." in text else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             if claim.group not in groups:
                 continue
             measured = MEASURES[claim.measure](measurements)
-            ok = holds(claim.claimed, measured)
+            ok = holds(claim.claimed, measured, exact=claim.exact)
             stale += not ok
             words = " ".join(claim.words.split())
             if args.json:

@@ -14,6 +14,7 @@ sys.modules["check_claims"] = check_claims  # dataclasses look their module up t
 spec.loader.exec_module(check_claims)
 
 TIME = re.compile(r"\b\d+(?:\.\d+)?(?: to \d+(?:\.\d+)?)?\s?(?:s|min|minutes|seconds)\b")
+SIZE = re.compile(r"\b\d+(?:\.\d+)?\s?(?:GiB|GB)\b")
 
 
 def _prose(text: str) -> str:
@@ -45,21 +46,28 @@ def test_each_claim_is_stated_in_its_document_with_its_number(claim):
     assert claim.group in ("quick", "all", "suite")
 
 
-def test_readme_states_no_time_the_script_does_not_measure():
+@pytest.mark.parametrize("pattern", [TIME, SIZE], ids=["times", "sizes"])
+def test_readme_states_no_number_the_script_does_not_measure(pattern):
     text = _prose((REPO / "README.md").read_text())
     spans = _spans("README.md")
     assert all(start >= 0 for start, _ in spans)
     unmeasured = [
         m.group()
-        for m in TIME.finditer(text)
+        for m in pattern.finditer(text)
         if not any(start <= m.start() and m.end() <= end for start, end in spans)
     ]
-    assert unmeasured == [], "times in README.md without a claim in scripts/check_claims.py"
+    assert unmeasured == [], "numbers in README.md without a claim in scripts/check_claims.py"
 
 
 def test_a_claim_holds_within_a_factor_of_one_and_a_half():
     assert check_claims.holds(20, 29.9) and check_claims.holds(20, 13.4)
     assert not check_claims.holds(20, 30.1) and not check_claims.holds(20, 13.3)
+
+
+def test_a_size_holds_to_the_digits_it_states():
+    assert check_claims.holds(38.64, 38.6449, exact=True)
+    assert not check_claims.holds(38.64, 38.65, exact=True)
+    assert not check_claims.holds(38.64, 38.0, exact=True)  # within 1.5x, but not the same size
 
 
 def test_a_stale_claim_fails_only_with_strict(monkeypatch, capsys):
