@@ -72,8 +72,8 @@ def fit_kv_heads(cfg: ModelConfig, mesh_spec: MeshSpec) -> ModelConfig:
 def abstract_model(cfg: ModelConfig, mesh: Mesh, mesh_spec: MeshSpec) -> AbstractModel:
     """Abstract init (shapes only) plus the logical rules → shardings; checks that the heads,
     MLP and vocabulary divide over the mesh (one line naming the sizes that would work), even
-    division of every parameter, and that model.attention can run on the mesh's devices. Key/value heads that the mesh
-    cannot split are replicated (fit_kv_heads)."""
+    division of every parameter, and that model.attention can run on the mesh's devices.
+    Key/value heads that the mesh cannot split are replicated (fit_kv_heads)."""
     check_attention(cfg.attention, mesh.devices.flat[0])
     check_model_on_mesh(cfg, mesh_spec)
     cfg = fit_kv_heads(cfg, mesh_spec)
@@ -100,13 +100,11 @@ def without_mesh_axes(model: AbstractModel, axes: tuple[str, ...]) -> AbstractMo
     `axes` (jax.vmap with spmd_axis_name=axes, as train.gradients does), where the batch is
     split over the remaining batch axes and each group's gradients are whole along `axes`."""
     cfg = model.config
-
-    def without(target: Any) -> Any:
-        names = [] if target is None else [target] if isinstance(target, str) else list(target)
-        kept = [a for a in names if a not in axes]
-        return kept or None
-
-    rules = {logical: without(target) for logical, target in cfg.logical_axis_rules.items()}
+    rules = {
+        logical: [a for a in mesh_axes_for(logical, cfg.logical_axis_rules) if a not in axes]
+        or None
+        for logical in cfg.logical_axis_rules
+    }
     cfg = dataclasses.replace(cfg, logical_axis_rules=rules)
     module = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     module.gather_table = True

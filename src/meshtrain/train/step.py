@@ -3,8 +3,9 @@
 Batches are int32 [accum, micro_global, seq_len + 1]: inputs are tokens[..., :-1] and targets
 tokens[..., 1:]. The loss is the mean over all target tokens of the update that are not padding,
 so accumulating 4 micro-batches of 2 equals one micro-batch of 8. How the micro-batches'
-gradients are summed and reduced over the batch axes is train.gradients'. The loss fuses the model's output projection with the cross-entropy
-(`output_cross_entropy`): no [B, T, V] log-probabilities, nor logits kept for the backward pass.
+gradients are summed and reduced over the batch axes is train.gradients'. The loss fuses the
+model's output projection with the cross-entropy (`output_cross_entropy`): no [B, T, V]
+log-probabilities, nor logits kept for the backward pass.
 """
 
 from __future__ import annotations
