@@ -54,7 +54,7 @@ from helpers.process import assert_one_line_error, run_training, subprocess_env
         ),
         (
             "model.mesh_shape=[[8,1],[fsdp,tp]] data.source=web",
-            "data.source='web' is not supported; use text_files or synthetic",
+            "data.source='web' is not supported; use one of: text, prepared, synthetic",
         ),
     ],
 )

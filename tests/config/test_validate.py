@@ -20,6 +20,34 @@ from meshtrain.parallel.mesh import parse_mesh_shape
         (["training.micro_batch_size=0"], "training.micro_batch_size=0 must be positive"),
         (["data.validation_fraction=1.0"], "data.validation_fraction=1.0 must be in [0, 1)"),
         (
+            ["data.source=text_files"],
+            "data.source=text_files is now data.source=text (data=text, or data=stdlib for the "
+            "standard library); data.path and data.glob work as before",
+        ),
+        (
+            ["data.on_bad_record=ignore"],
+            "data.on_bad_record='ignore' is not supported; use one of: error, skip",
+        ),
+        (["data.workers=-1"], "data.workers=-1 must be >= 0 (0: no read-ahead)"),
+        (
+            ["data.source=prepared"],
+            "data.source=prepared needs data.path=DIR, a directory made by "
+            "python -m meshtrain.data.prepare --out DIR ...",
+        ),
+        (
+            ["data.mixture=[{name:code,paths:[a],weight:0.7},{name:prose,paths:[b],weight:0}]"],
+            "data.mixture[1].weight=0.0 must be > 0; drop source 'prose' from data.mixture to "
+            "leave it out",
+        ),
+        (
+            ["data.mixture=[{name:a,paths:[x]},{name:a,paths:[y]}]"],
+            "data.mixture[1].name='a' must be a unique, non-empty name",
+        ),
+        (
+            ["data.paths=[a]", "data.mixture=[{name:a,paths:[x]}]"],
+            "data.paths and data.mixture are both set; list the paths in the mixture's sources",
+        ),
+        (
             ["training.nonfinite=ignore"],
             "training.nonfinite='ignore' is not supported; use one of: stop, skip",
         ),

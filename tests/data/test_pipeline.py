@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.tiny_tokenizers import train_bpe
 
 from meshtrain.config import DataConfig
+from meshtrain.config.schema import MixtureSource
 from meshtrain.data import (
     BatchIterator,
     ByteTokenizer,
+    MixedDataset,
     SyntheticDataset,
     build_dataset,
     build_tokenizer,
+    source_shares,
     validation_batches,
 )
-from meshtrain.data.corpus import list_documents, resolve_root, split_documents
-from meshtrain.data.packing import pack_documents
+from meshtrain.data.shards import document_draw
+from meshtrain.data.sources import list_documents
+from meshtrain.errors import DataError
 
 SEQ_LEN = 16
 
@@ -30,7 +37,9 @@ def stdlib_paths() -> list[Path]:
 
 @pytest.fixture(scope="module")
 def stdlib_train():
-    return build_dataset(DataConfig(seq_len=SEQ_LEN), split="train", vocab_size=384)
+    return build_dataset(
+        DataConfig(seq_len=SEQ_LEN, on_bad_record="skip"), split="train", vocab_size=384
+    )
 
 
 class ArangeDataset:
@@ -49,6 +58,16 @@ class ArangeDataset:
 
     def __getitem__(self, index: int) -> np.ndarray:
         return np.full(self.seq_len + 1, index, dtype=np.int32)
+
+
+def rows(dataset) -> np.ndarray:
+    return np.stack([dataset[i] for i in range(len(dataset))])
+
+
+def stream_bytes(dataset) -> bytes:
+    """The bytes of a byte-tokenised dataset's documents, specials and padding left out."""
+    tokens = rows(dataset).ravel() if len(dataset) else np.zeros(0, np.int32)
+    return tokens[tokens < 256].astype(np.uint8).tobytes()
 
 
 def batch_ids(batch: np.ndarray) -> np.ndarray:
@@ -76,27 +95,6 @@ def test_bad_tokenizer_message():
         build_tokenizer("foo")
 
 
-def test_pack_documents_layout():
-    docs = [np.array([1, 2, 3]), np.array([4]), np.array([], dtype=np.int32)]
-    packed = pack_documents(docs, 3, bos_id=7, eos_id=8, pad_id=9)
-    # stream: 7 1 2 3 8 | 7 4 8 | 7 8  → 11 tokens in windows of 4
-    assert packed.dtype == np.int32
-    np.testing.assert_array_equal(
-        packed,
-        [
-            [7, 1, 2, 3],
-            [8, 7, 4, 8],
-            [7, 8, 9, 9],
-        ],
-    )
-
-
-def test_pack_documents_exact_fit_and_empty():
-    packed = pack_documents([np.array([5, 6])], 3, bos_id=7, eos_id=8, pad_id=9)
-    np.testing.assert_array_equal(packed, [[7, 5, 6, 8]])
-    assert pack_documents([], 3, bos_id=7, eos_id=8, pad_id=9).shape == (0, 4)
-
-
 def test_stdlib_documents_are_py_files_outside_site_packages(stdlib_paths):
     assert len(stdlib_paths) > 500
     assert stdlib_paths == sorted(stdlib_paths)
@@ -105,38 +103,43 @@ def test_stdlib_documents_are_py_files_outside_site_packages(stdlib_paths):
     assert any(p.name == "os.py" for p in stdlib_paths)
 
 
-def test_split_is_deterministic_disjoint_and_near_fraction(stdlib_paths):
-    root = resolve_root(None)
-    train, validation = split_documents(stdlib_paths, 0.2, root=root)
-    assert (train, validation) == split_documents(stdlib_paths, 0.2, root=root)
-    assert not set(train) & set(validation)
-    assert sorted(train + validation) == stdlib_paths
-    assert 0.15 < len(validation) / len(stdlib_paths) < 0.25
-    # The hash is of the path relative to the root, so the split does not depend on where it is.
-    moved = [Path("/elsewhere") / p.relative_to(root) for p in stdlib_paths]
-    _, moved_validation = split_documents(moved, 0.2, root=Path("/elsewhere"))
-    assert [p.relative_to("/elsewhere") for p in moved_validation] == [
-        p.relative_to(root) for p in validation
-    ]
-    assert split_documents(stdlib_paths, 0.0, root=root) == (stdlib_paths, [])
-    # Without a root, the documents' common directory (here the stdlib root) is used.
-    assert split_documents(stdlib_paths, 0.2) == (train, validation)
-
-
-def test_bad_validation_fraction(stdlib_paths):
-    with pytest.raises(ValueError, match=r"data\.validation_fraction=1\.0"):
-        split_documents(stdlib_paths, 1.0)
+def test_split_is_by_a_stable_hash_of_each_document(tmp_path):
+    root = tmp_path / "docs"
+    root.mkdir()
+    for i in range(60):
+        (root / f"doc{i}.txt").write_text(f"<{i}>")
+    cfg = DataConfig(
+        path=str(root), glob="*.txt", validation_fraction=0.3, seq_len=8, cache_dir=None
+    )
+    found = {
+        split: set(
+            map(
+                int,
+                re.findall(
+                    rb"<(\d+)>", stream_bytes(build_dataset(cfg, split=split, vocab_size=259))
+                ),
+            )
+        )
+        for split in ("train", "validation")
+    }
+    # The draw hashes the path relative to the root, so the split is the same wherever the
+    # corpus lives, and on every machine and seed.
+    held_out = {i for i in range(60) if document_draw(f"doc{i}.txt") < 0.3}
+    assert found["validation"] == held_out and found["train"] == set(range(60)) - held_out
+    assert 10 < len(held_out) < 26
 
 
 def test_stdlib_train_split_loads(stdlib_train):
-    assert stdlib_train.sequences.shape == (len(stdlib_train), SEQ_LEN + 1)
     assert stdlib_train.num_tokens > 1_000_000
+    assert len(stdlib_train) == -(-stdlib_train.num_tokens // (SEQ_LEN + 1))
     assert stdlib_train.vocab_size == 259 and stdlib_train.pad_id == 256
     first = stdlib_train[0]
-    assert first.dtype == np.int32 and first[0] == ByteTokenizer.bos_id
-    assert stdlib_train.sequences.min() >= 0 and stdlib_train.sequences.max() < 259
+    assert first.dtype == np.int32 and first.shape == (SEQ_LEN + 1,)
+    assert first[0] == ByteTokenizer.bos_id
+    sample = np.stack([stdlib_train[i] for i in range(0, len(stdlib_train), 997)])
+    assert sample.min() >= 0 and sample.max() < 259
     # Only the last window has padding.
-    assert not np.any(stdlib_train.sequences[:-1] == 256)
+    assert not np.any(sample == 256) and stdlib_train[len(stdlib_train) - 1][-1] == 256
 
 
 def test_empty_validation_split_and_iterator_error(tmp_path):
@@ -147,7 +150,7 @@ def test_empty_validation_split_and_iterator_error(tmp_path):
     with pytest.raises(ValueError, match="'validation' split has no sequences"):
         BatchIterator(validation, global_batch=2, accum_steps=1, rows=slice(0, 2), seed=0)
     train = build_dataset(cfg, split="train", vocab_size=259)
-    np.testing.assert_array_equal(train.sequences, [[257, *b"hell"], [*b"o", 258, 256, 256, 256]])
+    np.testing.assert_array_equal(rows(train), [[257, *b"hell"], [*b"o", 258, 256, 256, 256]])
 
 
 def test_glob_matches_top_level_and_nested(tmp_path):
@@ -163,10 +166,6 @@ def test_glob_matches_top_level_and_nested(tmp_path):
 
 
 def test_config_error_messages(tmp_path):
-    with pytest.raises(
-        ValueError, match=r"^data\.source='x' is not supported; use text_files or synthetic$"
-    ):
-        build_dataset(DataConfig(source="x"), split="train", vocab_size=384)
     with pytest.raises(ValueError, match=r"data\.tokenizer='foo' is not supported"):
         build_dataset(DataConfig(tokenizer="foo"), split="train", vocab_size=384)
     missing = str(tmp_path / "missing")
@@ -267,3 +266,144 @@ def test_synthetic_range_and_determinism():
     assert len(np.unique(big)) == 50
     with pytest.raises(IndexError):
         train[1_000_000]
+
+
+def write_sources(root: Path) -> dict[str, list[str]]:
+    """One file of each format; returns the documents of each file, in file order."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root.mkdir(parents=True, exist_ok=True)
+    documents = {
+        "a.jsonl": ["first record", "second record"],
+        "b.jsonl.gz": ["gzipped one", "gzipped two", "gzipped three"],
+        "c.parquet": [f"row {i} of the table" for i in range(5)],
+        "d.md": ["# a markdown file\n\nwhole file, one document\n"],
+    }
+    (root / "a.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in documents["a.jsonl"])
+    )
+    with gzip.open(root / "b.jsonl.gz", "wt") as f:
+        f.writelines(
+            json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(documents["b.jsonl.gz"])
+        )
+    pq.write_table(pa.table({"text": documents["c.parquet"]}), root / "c.parquet", row_group_size=2)
+    (root / "d.md").write_text(documents["d.md"][0])
+    return documents
+
+
+def text_config(**changes) -> DataConfig:
+    return DataConfig(**{"seq_len": 8, "validation_fraction": 0.0, "cache_dir": None, **changes})
+
+
+def test_every_format_trains_as_documents_in_file_and_record_order(tmp_path):
+    documents = write_sources(tmp_path / "data")
+    cfg = text_config(paths=[str(tmp_path / "data")])
+    train = build_dataset(cfg, split="train", vocab_size=259)
+    expected = [
+        t for doc in itertools.chain(*documents.values()) for t in (257, *doc.encode(), 258)
+    ]
+    tokens = rows(train).ravel()
+    np.testing.assert_array_equal(tokens[: len(expected)], expected)
+    assert set(tokens[len(expected) :]) <= {256}
+    # Globs and single files name the same documents.
+    globbed = text_config(
+        paths=[
+            str(tmp_path / "data" / "*.jsonl*"),
+            str(tmp_path / "data/c.parquet"),
+            str(tmp_path / "data/d.md"),
+        ]
+    )
+    np.testing.assert_array_equal(
+        rows(build_dataset(globbed, split="train", vocab_size=259)), rows(train)
+    )
+
+
+def test_a_prepared_directory_gives_the_batches_of_its_text(tmp_path):
+    from meshtrain.data.prepare import main as prepare_main
+
+    write_sources(tmp_path / "data")
+    prepare_main(["--out", str(tmp_path / "prepared"), str(tmp_path / "data")])
+    options = {"seq_len": 8, "validation_fraction": 0.3, "cache_dir": None}
+    prepared = DataConfig(source="prepared", path=str(tmp_path / "prepared"), **options)
+    text = DataConfig(paths=[str(tmp_path / "data")], **options)
+    for split in ("train", "validation"):
+        np.testing.assert_array_equal(
+            rows(build_dataset(prepared, split=split, vocab_size=259)),
+            rows(build_dataset(text, split=split, vocab_size=259)),
+        )
+    bpe = train_bpe(tmp_path / "bpe")
+    with pytest.raises(
+        DataError,
+        match=r"^data\.tokenizer='.*tokenizer\.json' is not the tokenizer .*prepared with \(ByteTokenizer",
+    ) as err:
+        build_dataset(
+            DataConfig(source="prepared", path=str(tmp_path / "prepared"), tokenizer=str(bpe)),
+            split="train",
+            vocab_size=384,
+        )
+    assert "\n" not in str(err.value)
+
+
+def test_validation_paths_replace_the_fraction(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "held").mkdir()
+    for i in range(20):
+        (tmp_path / "train" / f"{i}.txt").write_text(f"train {i}")
+    (tmp_path / "held" / "v.jsonl").write_text('{"text": "held out"}\n')
+    cfg = text_config(
+        paths=[str(tmp_path / "train")],
+        validation_paths=[str(tmp_path / "held")],
+        validation_fraction=0.5,
+    )
+    train = build_dataset(cfg, split="train", vocab_size=259)
+    validation = build_dataset(cfg, split="validation", vocab_size=259)
+    assert train.num_documents == 20  # the fraction is not applied: every training document
+    assert stream_bytes(validation) == b"held out"
+
+
+def test_a_mixture_samples_its_sources_by_weight(tmp_path):
+    for name, count in (("code", 30), ("prose", 200)):
+        (tmp_path / name).mkdir()
+        for i in range(count):
+            (tmp_path / name / f"{i}.txt").write_text(f"{name:8}")  # a sequence: bos, 8, eos
+    cfg = text_config(
+        seq_len=9,
+        mixture=[
+            MixtureSource(name="code", paths=[str(tmp_path / "code")], weight=0.7),
+            MixtureSource(name="prose", paths=[str(tmp_path / "prose")], weight=0.3),
+        ],
+    )
+    train = build_dataset(cfg, split="train", vocab_size=259)
+    assert isinstance(train, MixedDataset) and train.names == ["code", "prose"]
+    it = BatchIterator(train, global_batch=50, accum_steps=1, rows=slice(0, 50), seed=0)
+    batches = np.concatenate([next(it)[0] for _ in range(40)])  # 2,000 sequences
+    drawn_code = np.mean(batches[:, 1] == ord("c"))
+    shares = source_shares(train, seed=0, positions=2_000)
+    assert abs(shares["code"] - 0.7) < 0.03 and shares["code"] + shares["prose"] == 1.0
+    assert abs(drawn_code - shares["code"]) < 0.01
+
+
+def test_an_emptied_corpus_names_the_skipped_records(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('not json\n{"other": 1}\n')
+    cfg = text_config(paths=[str(tmp_path / "bad.jsonl")], on_bad_record="skip")
+    with pytest.raises(
+        DataError,
+        match=r"^data source 'text' has no training documents: every document was skipped \(skipped 2 records",
+    ) as err:
+        build_dataset(cfg, split="train", vocab_size=259)
+    assert "\n" not in str(err.value)
+
+
+def test_reading_ahead_gives_the_same_batches(stdlib_train):
+    options = {"global_batch": 8, "accum_steps": 2, "rows": slice(1, 3), "seed": 4}
+    plain = BatchIterator(stdlib_train, **options)
+    ahead = BatchIterator(stdlib_train, workers=2, **options)
+    for step in range(6):
+        np.testing.assert_array_equal(next(ahead), next(plain))
+        if step == 3:  # a resume moves both; what was read ahead is dropped
+            plain.set_state({"step": 10})
+            ahead.set_state({"step": 10})
+    assert ahead.get_state() == plain.get_state() == {"step": 12}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import jax
-import numpy as np
 import pytest
 import sentencepiece
 from helpers.config import compose_config
@@ -15,7 +14,6 @@ from helpers.tiny_tokenizers import TEXT, train_bpe, train_sentencepiece
 from tokenizers import Tokenizer
 
 from meshtrain.data import build_tokenizer
-from meshtrain.data.packing import pack_documents
 from meshtrain.data.tokenizer import NO_TOKEN
 from meshtrain.errors import ConfigError
 from meshtrain.train.setup import prepare
@@ -52,10 +50,7 @@ def test_tokenizer_config_names_the_special_tokens(tmp_path):
     )
     tokenizer = build_tokenizer(str(path))
     assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (NO_TOKEN, 2, NO_TOKEN)
-    # Without bos: doc + eos. Without pad: the incomplete last window is dropped.
-    docs = [np.array([5, 6, 7]), np.array([8, 9, 10, 11])]  # stream 5 6 7 2 8 9 10 11 2
-    packed = pack_documents(docs, 3, bos_id=NO_TOKEN, eos_id=2, pad_id=NO_TOKEN)
-    assert packed.tolist() == [[5, 6, 7, 2], [8, 9, 10, 11]]
+    # Packing without bos and pad: tests/data/test_packing.py.
 
 
 def test_sentencepiece_model(tmp_path):

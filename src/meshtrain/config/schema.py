@@ -39,6 +39,11 @@ ReduceDtype = Literal["fp32", "bf16"]
 """training.reduce_dtype: the precision of the gradient reductions meshtrain runs itself."""
 ResumeMode = Literal["auto", "never"]
 """checkpoint.resume, unless it is a checkpoint path."""
+DataSource = Literal["text", "prepared", "synthetic"]
+"""data.source: local documents (tokenised once into the data cache), a directory made by
+`python -m meshtrain.data.prepare`, or random tokens."""
+BadRecordPolicy = Literal["error", "skip"]
+"""data.on_bad_record."""
 ClusterDetection = Literal["slurm", "ompi", "mpi4py", "gcetpu", "gketpu"]
 """distributed.cluster_detection."""
 
@@ -163,21 +168,47 @@ class ModelConfig:
 
 
 @dataclass
+class MixtureSource:
+    """One source of data.mixture."""
+
+    name: str = "source"
+    """Names the source in logs, metrics.jsonl (data_share/<name>) and TensorBoard."""
+    paths: list[str] = field(default_factory=list)
+    """Files, directories or globs of documents, or directories made by meshtrain.data.prepare."""
+    weight: float = 1.0
+    """Relative share of the training sequences drawn from this source; must be > 0."""
+
+
+@dataclass
 class DataConfig:
-    source: str = "text_files"
-    """Where sequences come from: text_files (local documents) or synthetic (random tokens)."""
+    source: str = "text"  # DataSource
+    """Where sequences come from: text (local documents), prepared (a meshtrain.data.prepare directory) or synthetic (random tokens)."""
+    paths: list[str] = field(default_factory=list)
+    """text: files, directories or globs; the format comes from the extension (.jsonl, .jsonl.gz, .parquet; any other file is one document). Empty: data.path and data.glob."""
     path: str | None = None
-    """Directory of text documents; null means the Python standard library's own source."""
+    """text without data.paths: the directory data.glob searches (null: the Python standard library's own source). prepared: the prepared directory."""
     glob: str = "**/*.py"
-    """Pattern, relative to `path`, of the documents to read."""
+    """Pattern, relative to `path`, of the documents to read (text without data.paths)."""
+    text_key: str = "text"
+    """The field of a .jsonl record, or the column of a .parquet file, that holds the text."""
+    mixture: list[MixtureSource] = field(default_factory=list)
+    """Sources sampled by weight, deterministically from training.seed ([{name, paths, weight}, ...]); replaces data.paths."""
+    document_masking: bool = True
+    """Attention stays inside each packed document, whose positions restart at 0 (text and prepared data)."""
     tokenizer: str = "byte"
     """byte (256 byte values plus pad, bos, eos), a tokenizer.json, a sentencepiece .model, or an HF dir."""
     seq_len: int = 128
     """Tokens per training sequence (each example holds seq_len + 1 tokens: inputs and shifted targets)."""
     validation_fraction: float = 0.05
-    """Share of documents held out for validation (chosen deterministically by path)."""
+    """Share of documents held out for validation, chosen by a stable hash of each document's file and record."""
+    validation_paths: list[str] = field(default_factory=list)
+    """Held-out files, directories or globs (or prepared directories) to validate on instead of validation_fraction."""
+    on_bad_record: str = "error"  # BadRecordPolicy
+    """A bad record (invalid JSON line, missing text, undecodable bytes, unreadable parquet): error (exit 2, naming file and line) or skip (counted in the log)."""
+    workers: int = 2
+    """Threads reading the next batches ahead of the train step; 0 reads each batch when it is due."""
     cache_dir: str | None = AUTO_CACHE
-    """Packed text_files sequences, keyed by the files (paths, sizes, mtimes), tokenizer and seq_len: auto (<cache root>/data), a directory, or null (off)."""
+    """Tokenised text sources, keyed by the files (paths, sizes, mtimes), tokenizer and text_key: auto (<cache root>/data), a directory, or null (tokenise at every launch)."""
 
 
 @dataclass

@@ -12,8 +12,11 @@ from meshtrain.accelerators import accelerator_named
 from meshtrain.config.schema import (
     Activation,
     AttentionImpl,
+    BadRecordPolicy,
     CheckpointConfig,
     Config,
+    DataConfig,
+    DataSource,
     Family,
     LayerKind,
     LrSchedule,
@@ -46,6 +49,56 @@ def _positive(key: str, value: int | float) -> None:
     _require(value > 0, f"{key}={value} must be positive")
 
 
+def _check_data(data: DataConfig) -> None:
+    """The data keys that need no file; the files themselves are checked as they are opened
+    (meshtrain.data), the tokenizer where it is built."""
+    _require(
+        data.source != "text_files",
+        "data.source=text_files is now data.source=text (data=text, or data=stdlib for the "
+        "standard library); data.path and data.glob work as before",
+    )
+    _one_of("data.source", data.source, choices(DataSource))
+    _one_of("data.on_bad_record", data.on_bad_record, choices(BadRecordPolicy))
+    _positive("data.seq_len", data.seq_len)
+    _require(
+        0.0 <= data.validation_fraction < 1.0,
+        f"data.validation_fraction={data.validation_fraction} must be in [0, 1), e.g. 0.05",
+    )
+    _require(data.workers >= 0, f"data.workers={data.workers} must be >= 0 (0: no read-ahead)")
+    _require(bool(data.text_key), "data.text_key is empty; name the field that holds the text")
+    if data.source == "synthetic":
+        _require(
+            not data.mixture and not data.paths,
+            "data.source=synthetic reads no files; drop data.mixture and data.paths, or use "
+            "data.source=text",
+        )
+        return
+    if data.mixture:
+        _require(
+            not data.paths,
+            "data.paths and data.mixture are both set; list the paths in the mixture's sources",
+        )
+        names = [source.name for source in data.mixture]
+        for i, source in enumerate(data.mixture):
+            key = f"data.mixture[{i}]"
+            _require(
+                source.weight > 0,
+                f"{key}.weight={source.weight} must be > 0; drop source {source.name!r} from "
+                "data.mixture to leave it out",
+            )
+            _require(bool(source.paths), f"{key}.paths is empty; list its files or globs")
+            _require(
+                bool(source.name) and source.name not in names[:i],
+                f"{key}.name={source.name!r} must be a unique, non-empty name",
+            )
+    elif data.source == "prepared":
+        _require(
+            data.path is not None,
+            "data.source=prepared needs data.path=DIR, a directory made by "
+            "python -m meshtrain.data.prepare --out DIR ...",
+        )
+
+
 def check_config(cfg: Config) -> None:
     model, data, training = cfg.model, cfg.data, cfg.training
     for key in (
@@ -72,12 +125,7 @@ def check_config(cfg: Config) -> None:
     check_rules(model.logical_axis_rules)
     _check_model_flavour(cfg)
 
-    # data.source and data.tokenizer are checked where they are built (meshtrain.data).
-    _positive("data.seq_len", data.seq_len)
-    _require(
-        0.0 <= data.validation_fraction < 1.0,
-        f"data.validation_fraction={data.validation_fraction} must be in [0, 1), e.g. 0.05",
-    )
+    _check_data(data)
 
     for key in (
         "steps",

@@ -1,10 +1,13 @@
-"""Data pipeline: documents → tokens → packed sequences → deterministic, resumable batches."""
+"""Data pipeline: documents → tokens (prepared shards) → packed sequences → deterministic,
+resumable batches."""
 
+from meshtrain.data.packing import PackedDocuments
 from meshtrain.data.pipeline import (
     BatchIterator,
-    PackedTextDataset,
+    MixedDataset,
     TokenDataset,
     build_dataset,
+    source_shares,
     validation_batches,
 )
 from meshtrain.data.synthetic import SyntheticDataset
@@ -13,10 +16,12 @@ from meshtrain.data.tokenizer import ByteTokenizer, build_tokenizer
 __all__ = [
     "BatchIterator",
     "ByteTokenizer",
-    "PackedTextDataset",
+    "MixedDataset",
+    "PackedDocuments",
     "SyntheticDataset",
     "TokenDataset",
     "build_dataset",
     "build_tokenizer",
+    "source_shares",
     "validation_batches",
 ]

@@ -39,6 +39,7 @@ def make_evaluator(setup: Setup, shardings: TrainState) -> Callable[[Any], float
         batch_sharding=eval_sharding,
         pad_id=setup.validation_data.pad_id,
         mixed_precision=cfg.training.mixed_precision,
+        documents=setup.documents,
     )
 
     def evaluate(params: Any) -> float:

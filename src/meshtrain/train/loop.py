@@ -6,6 +6,7 @@ hooks: log, evaluate, save. This is the one module that wires the sinks and hook
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from jax.sharding import NamedSharding
 
 from meshtrain.checkpoint import RunCheckpoints
 from meshtrain.config.schema import Config
-from meshtrain.data import BatchIterator
+from meshtrain.data import BatchIterator, source_shares
 from meshtrain.distributed.preemption import StopSignals
 from meshtrain.observe.communication import CommunicationReport
 from meshtrain.observe.metrics import MetricsWriter, setup_logging
@@ -131,6 +132,7 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
                     values = _step_metrics(metrics, clock, meter, step, setup)
                     if eval_now:
                         values["val_loss"] = evaluate(state.params)
+                        values["val_perplexity"] = math.exp(min(values["val_loss"], 80.0))
                         clock.restart(step)  # evaluation time is not step time
                     history.append({"step": step, **values})
                     writer.write(step, values)
@@ -183,6 +185,7 @@ def _batch_iterator(setup: Setup, batch_sharding: NamedSharding) -> DeviceBatche
         accum_steps=setup.cfg.training.gradient_accumulation_steps,
         rows=rows,
         seed=setup.cfg.training.seed,
+        workers=setup.cfg.data.workers,
     )
     return DeviceBatches(host_batches, batch_sharding, setup.batch_shape)
 
@@ -239,6 +242,8 @@ def _step_metrics(
     tokens_per_step = setup.global_batch * setup.cfg.data.seq_len
     values["tokens_per_sec"] = tokens_per_step / values["step_time_s"]
     values.update(meter.metrics(values["step_time_s"]))
+    shares = source_shares(setup.train_data, setup.cfg.training.seed, step * setup.global_batch)
+    values.update({f"data_share/{name}": share for name, share in shares.items()})
     return values
 
 

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from meshtrain.config.schema import Config
 from meshtrain.config.validate import check_against_mesh, check_config, micro_batch_size
-from meshtrain.data import TokenDataset, build_dataset
+from meshtrain.data import MixedDataset, TokenDataset, build_dataset
 from meshtrain.distributed.runtime import process_hosts
 from meshtrain.errors import ConfigError
 from meshtrain.models.abstract import (
@@ -36,6 +36,7 @@ from meshtrain.observe.progress import phase
 from meshtrain.observe.throughput import ThroughputMeter, peak_flops_per_device
 from meshtrain.parallel.mesh import MeshSpec, build_mesh, format_mesh_shape, parse_mesh_shape
 from meshtrain.parallel.rules import logical_to_spec
+from meshtrain.train.documents import DocumentBoundaries, document_boundaries
 from meshtrain.train.gradients import gradient_sync
 from meshtrain.train.optimizer import learning_rate_schedule
 from meshtrain.train.state import TrainState, abstract_train_state
@@ -56,6 +57,7 @@ class Setup:
     micro_batch_size: int
     train_data: TokenDataset | None  # None in a dry run, which reads no data
     validation_data: TokenDataset | None
+    documents: DocumentBoundaries | None  # where attention is masked (data.document_masking)
 
     @property
     def batch_shards(self) -> int:
@@ -84,11 +86,16 @@ class Setup:
         )
 
 
+def _data_error(err: ValueError) -> ConfigError:
+    """The data modules' errors name the key or file and the fix: they become exit code 2."""
+    return err if isinstance(err, ConfigError) else ConfigError(str(err))
+
+
 def _build_data(cfg: Config, split: str) -> TokenDataset:
     try:
         return build_dataset(cfg.data, split=split, vocab_size=cfg.model.vocab_size)
-    except ValueError as err:  # the data modules name the key and the fix
-        raise ConfigError(str(err)) from None
+    except ValueError as err:
+        raise _data_error(err) from None
 
 
 def prepare(
@@ -104,19 +111,23 @@ def prepare(
     mesh = build_mesh(mesh_spec, devices, hosts=process_hosts())
     model = abstract_model(cfg.model, mesh, mesh_spec)  # shapes only: allocates nothing
     micro = micro_batch_size(cfg, mesh_spec)
+    try:
+        documents = document_boundaries(cfg.data)
+    except ValueError as err:
+        raise _data_error(err) from None
     if not with_data:
-        return Setup(cfg, mesh_spec, mesh, model, micro, None, None)
+        return Setup(cfg, mesh_spec, mesh, model, micro, None, None, documents)
     with phase(log, f"reading the data ({cfg.data.source})", "read the data"):
         train_data = _build_data(cfg, "train")
         if len(train_data) == 0:
             raise ConfigError(
-                f"data.path={cfg.data.path!r} with data.glob={cfg.data.glob!r} gave no training "
-                "sequences"
+                f"the training documents fill no sequence of data.seq_len={cfg.data.seq_len} "
+                "tokens; add documents or lower data.seq_len"
             )
         validation_data = _build_data(cfg, "validation") if cfg.training.eval_every else None
     if validation_data is not None and len(validation_data) == 0:
         validation_data = None
-    return Setup(cfg, mesh_spec, mesh, model, micro, train_data, validation_data)
+    return Setup(cfg, mesh_spec, mesh, model, micro, train_data, validation_data, documents)
 
 
 def describe(setup: Setup) -> None:
@@ -144,7 +155,16 @@ def describe(setup: Setup) -> None:
         cfg.training.gradient_accumulation_steps,
     )
     if setup.train_data is not None:
-        log.info("data: %d training sequences (%s)", len(setup.train_data), cfg.data.source)
+        masking = "on" if setup.documents else "off"
+        log.info(
+            "data: %d training sequences (%s; document masking %s)",
+            len(setup.train_data),
+            cfg.data.source,
+            masking,
+        )
+        mixture = setup.train_data.parts if isinstance(setup.train_data, MixedDataset) else []
+        for name, source, weight in mixture:
+            log.info("data: mixture source %s: weight %g, %d sequences", name, weight, len(source))
 
 
 def compile_train_step(
@@ -167,6 +187,7 @@ def compile_train_step(
         batch_sharding=batch_sharding,
         pad_id=pad_id,
         training=cfg.training,
+        documents=setup.documents,
     )
     abstract_batch = jax.ShapeDtypeStruct(setup.batch_shape, np.int32, sharding=batch_sharding)
     with phase(log, "compiling the train step", "compiled the train step"):

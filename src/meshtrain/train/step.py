@@ -23,6 +23,7 @@ from meshtrain.config.schema import MixedPrecision, TrainingConfig
 from meshtrain.models.abstract import AbstractModel, merge_model, without_mesh_axes
 from meshtrain.models.attention import select_attention
 from meshtrain.parallel.rules import constrain, mesh_axes_for
+from meshtrain.train.documents import DocumentBoundaries
 from meshtrain.train.gradients import (
     LossAndGrads,
     gradient_sync,
@@ -207,15 +208,26 @@ def cast_params(model: AbstractModel, params: Any, compute_dtype: jnp.dtype) -> 
 
 
 def token_loss_sum(
-    model: AbstractModel, params: Any, tokens: jax.Array, *, pad_id: int, compute_dtype: jnp.dtype
+    model: AbstractModel,
+    params: Any,
+    tokens: jax.Array,
+    *,
+    pad_id: int,
+    compute_dtype: jnp.dtype,
+    documents: DocumentBoundaries | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Summed cross-entropy over non-pad targets, and their count. tokens: [B, seq_len + 1]."""
+    """Summed cross-entropy over non-pad targets, and their count. tokens: [B, seq_len + 1].
+
+    With `documents` (data.document_masking), a token attends only to the earlier tokens of its
+    own packed document, at positions that restart with each document."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [B, T] each
     compute_params = cast_params(model, params, compute_dtype)
     net = merge_model(model, compute_params)
     mask = (targets != pad_id).astype(jnp.float32)  # [B, T]
+    segment_ids, positions = documents.segments(inputs) if documents else (None, None)
+    hidden = net.hidden(inputs, positions, segment_ids)
     weight, layout = net.output_weight()
-    loss = output_cross_entropy(net.hidden(inputs), weight, layout, targets, mask, rules=net.rules)
+    loss = output_cross_entropy(hidden, weight, layout, targets, mask, rules=net.rules)
     return loss, jnp.sum(mask)
 
 
@@ -238,6 +250,7 @@ def make_train_step(
     batch_sharding: jax.sharding.NamedSharding,
     pad_id: int,
     training: TrainingConfig,
+    documents: DocumentBoundaries | None = None,
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """The compiled update: (state, batch) → (new state, metrics), with the state donated.
 
@@ -255,7 +268,12 @@ def make_train_step(
     def loss_and_grads(model: AbstractModel) -> LossAndGrads:
         return jax.value_and_grad(
             lambda params, tokens: token_loss_sum(
-                model, params, tokens, pad_id=pad_id, compute_dtype=compute_dtype
+                model,
+                params,
+                tokens,
+                pad_id=pad_id,
+                compute_dtype=compute_dtype,
+                documents=documents,
             ),
             has_aux=True,
         )
@@ -306,11 +324,14 @@ def make_eval_step(
     batch_sharding: jax.sharding.NamedSharding,
     pad_id: int,
     mixed_precision: str,
+    documents: DocumentBoundaries | None = None,
 ) -> Callable[[Any, jax.Array], tuple[jax.Array, jax.Array]]:
     """Compiled (params, batch [B, seq_len + 1]) → (summed loss, token count)."""
     compute_dtype = COMPUTE_DTYPES[mixed_precision]
 
     def evaluate(params: Any, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return token_loss_sum(model, params, batch, pad_id=pad_id, compute_dtype=compute_dtype)
+        return token_loss_sum(
+            model, params, batch, pad_id=pad_id, compute_dtype=compute_dtype, documents=documents
+        )
 
     return jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding))
