@@ -17,8 +17,9 @@ from meshtrain.data import (
     build_tokenizer,
     validation_batches,
 )
-from meshtrain.data.corpus import list_documents, resolve_root, split_documents
+from meshtrain.data.corpus import split_documents
 from meshtrain.data.packing import pack_documents
+from meshtrain.data.sources import list_documents, resolve_root
 
 SEQ_LEN = 16
 
@@ -97,14 +98,6 @@ def test_pack_documents_exact_fit_and_empty():
     assert pack_documents([], 3, bos_id=7, eos_id=8, pad_id=9).shape == (0, 4)
 
 
-def test_stdlib_documents_are_py_files_outside_site_packages(stdlib_paths):
-    assert len(stdlib_paths) > 500
-    assert stdlib_paths == sorted(stdlib_paths)
-    assert all(p.suffix == ".py" for p in stdlib_paths)
-    assert not any("site-packages" in p.parts for p in stdlib_paths)
-    assert any(p.name == "os.py" for p in stdlib_paths)
-
-
 def test_split_is_deterministic_disjoint_and_near_fraction(stdlib_paths):
     root = resolve_root(None)
     train, validation = split_documents(stdlib_paths, 0.2, root=root)
@@ -148,18 +141,6 @@ def test_empty_validation_split_and_iterator_error(tmp_path):
         BatchIterator(validation, global_batch=2, accum_steps=1, rows=slice(0, 2), seed=0)
     train = build_dataset(cfg, split="train", vocab_size=259)
     np.testing.assert_array_equal(train.sequences, [[257, *b"hell"], [*b"o", 258, 256, 256, 256]])
-
-
-def test_glob_matches_top_level_and_nested(tmp_path):
-    (tmp_path / "sub" / "site-packages").mkdir(parents=True)
-    for name in ["a.py", "sub/b.py", "sub/c.txt", "sub/site-packages/d.py"]:
-        (tmp_path / name).write_text("x")
-    rel = [p.relative_to(tmp_path).as_posix() for p in list_documents(str(tmp_path), "**/*.py")]
-    assert rel == ["a.py", "sub/b.py"]
-    rel = [p.relative_to(tmp_path).as_posix() for p in list_documents(str(tmp_path), "sub/*")]
-    assert rel == ["sub/b.py", "sub/c.txt"]
-    with pytest.raises(ValueError, match=r"data\.glob='\*\.md' matches no readable file"):
-        list_documents(str(tmp_path), "*.md")
 
 
 def test_config_error_messages(tmp_path):
