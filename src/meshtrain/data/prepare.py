@@ -16,6 +16,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -110,6 +111,7 @@ def _prepare_unit(job: dict[str, Any]) -> dict[str, Any]:
     if job["tokenizer"] not in _TOKENIZERS:
         _TOKENIZERS[job["tokenizer"]] = build_tokenizer(job["tokenizer"])
     tokenizer = _TOKENIZERS[job["tokenizer"]]
+    dtype = np.dtype(job["dtype"])  # ids narrowed at once: a unit's int32 ids would be 2x
     bad, tokens, hashes, texts, chars = BadRecords(), [], [], [], 0
     pieces = []  # [file index, documents]
     for piece in job["pieces"]:
@@ -125,11 +127,11 @@ def _prepare_unit(job: dict[str, Any]) -> dict[str, Any]:
             texts.append(text)
             chars, count = chars + len(text), count + 1
             if chars >= ENCODE_CHARS:
-                tokens += tokenizer.encode_batch(texts)
+                tokens += [t.astype(dtype) for t in tokenizer.encode_batch(texts)]
                 texts, chars = [], 0
         pieces.append([piece[0], count])
     if texts:
-        tokens += tokenizer.encode_batch(texts)
+        tokens += [t.astype(dtype) for t in tokenizer.encode_batch(texts)]
     files, first = [], 0
     for index, count in pieces:
         files.append([index, count, sum(len(t) for t in tokens[first : first + count])])
@@ -142,7 +144,7 @@ def _prepare_unit(job: dict[str, Any]) -> dict[str, Any]:
         "bad_records": bad.counts,
     }
     out = Path(job["out"])
-    write_unit(out, job["index"], tokens, hashes, job["dtype"], stats)
+    write_unit(out, job["index"], tokens, hashes, dtype, stats)
     return stats
 
 
@@ -195,8 +197,13 @@ def _progress_bar(enabled: bool, total: int) -> Progress | nullcontext:
         return nullcontext()
     console = Console(stderr=True)
     columns = (TextColumn("preparing"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
-    bar = Progress(*columns, TimeRemainingColumn(), console=console, transient=True)
-    bar.disable = not console.is_terminal
+    bar = Progress(
+        *columns,
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,  # a log file gets the summary line only
+    )
     bar.add_task("preparing", total=total)
     return bar
 
