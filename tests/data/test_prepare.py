@@ -12,14 +12,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers.paths import REPO
+from helpers.process import assert_one_line_error, run_python
 
 from meshtrain.data import prepare as prepare_module
 from meshtrain.data.prepare import plan_units, prepare
 from meshtrain.data.shards import PreparedCorpus, document_draw
 from meshtrain.data.sources import resolve_paths
 from meshtrain.errors import DataError
-from tests.helpers.paths import REPO
-from tests.helpers.process import assert_one_line_error, run_python
 
 UNIT = 200  # bytes per work unit in these tests: many units from a few kilobytes
 

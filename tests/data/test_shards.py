@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.tiny_tokenizers import train_bpe
 
 from meshtrain.data.corpus import split_documents
 from meshtrain.data.prepare import prepare
@@ -23,7 +24,6 @@ from meshtrain.data.shards import (
 from meshtrain.data.sources import list_documents, resolve_root
 from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import DataError
-from tests.helpers.tiny_tokenizers import train_bpe
 
 TEXTS = ["hello world", "", "def f(x):\n    return x * 2\n", "ünïcödé ✓"]
 
