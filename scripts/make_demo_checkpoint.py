@@ -19,7 +19,7 @@ from flax import nnx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from meshtrain.config import ModelConfig
-from meshtrain.data.corpus import list_documents
+from meshtrain.data.sources import list_documents
 from meshtrain.hf.save import export_hf
 from meshtrain.models.transformer import Transformer
 

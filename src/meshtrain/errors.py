@@ -10,6 +10,10 @@ class ConfigError(ValueError):
     exit_code = 2
 
 
+class DataError(ConfigError):
+    """A data file or record that cannot be used; the message names the file and the line or row."""
+
+
 class DistributedError(RuntimeError):
     """Another process of a multi-process run is missing, died or differs; one line, exit code 1."""
 

@@ -24,15 +24,9 @@ from meshtrain.data import (
     validation_batches,
 )
 from meshtrain.data.shards import document_draw
-from meshtrain.data.sources import list_documents
 from meshtrain.errors import DataError
 
 SEQ_LEN = 16
-
-
-@pytest.fixture(scope="module")
-def stdlib_paths() -> list[Path]:
-    return list_documents(None, "**/*.py")
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +89,6 @@ def test_bad_tokenizer_message():
         build_tokenizer("foo")
 
 
-def test_stdlib_documents_are_py_files_outside_site_packages(stdlib_paths):
-    assert len(stdlib_paths) > 500
-    assert stdlib_paths == sorted(stdlib_paths)
-    assert all(p.suffix == ".py" for p in stdlib_paths)
-    assert not any("site-packages" in p.parts for p in stdlib_paths)
-    assert any(p.name == "os.py" for p in stdlib_paths)
-
-
 def test_split_is_by_a_stable_hash_of_each_document(tmp_path):
     root = tmp_path / "docs"
     root.mkdir()
@@ -151,18 +137,6 @@ def test_empty_validation_split_and_iterator_error(tmp_path):
         BatchIterator(validation, global_batch=2, accum_steps=1, rows=slice(0, 2), seed=0)
     train = build_dataset(cfg, split="train", vocab_size=259)
     np.testing.assert_array_equal(rows(train), [[257, *b"hell"], [*b"o", 258, 256, 256, 256]])
-
-
-def test_glob_matches_top_level_and_nested(tmp_path):
-    (tmp_path / "sub" / "site-packages").mkdir(parents=True)
-    for name in ["a.py", "sub/b.py", "sub/c.txt", "sub/site-packages/d.py"]:
-        (tmp_path / name).write_text("x")
-    rel = [p.relative_to(tmp_path).as_posix() for p in list_documents(str(tmp_path), "**/*.py")]
-    assert rel == ["a.py", "sub/b.py"]
-    rel = [p.relative_to(tmp_path).as_posix() for p in list_documents(str(tmp_path), "sub/*")]
-    assert rel == ["sub/b.py", "sub/c.txt"]
-    with pytest.raises(ValueError, match=r"data\.glob='\*\.md' matches no readable file"):
-        list_documents(str(tmp_path), "*.md")
 
 
 def test_config_error_messages(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import jax
+import numpy as np
 import pytest
 import sentencepiece
 from helpers.config import compose_config
@@ -125,3 +126,18 @@ def test_the_model_vocabulary_must_hold_the_tokenizer(bpe, tmp_path):
         f"model.vocab_size=256 is smaller than the vocabulary of data.tokenizer='{bpe}' (300); "
         "raise model.vocab_size"
     )
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe", "sentencepiece"])
+def test_encode_batch_equals_one_encode_per_text(kind, tmp_path):
+    name = {
+        "byte": lambda: "byte",
+        "bpe": lambda: str(train_bpe(tmp_path)),
+        "sentencepiece": lambda: str(train_sentencepiece(tmp_path)),
+    }[kind]()
+    tokenizer = build_tokenizer(name)
+    texts = ["def function_1(value):", "", "ünïcödé text", TEXT[:300]]
+    batch = tokenizer.encode_batch(texts)
+    assert [b.dtype for b in batch] == [np.int32] * 4
+    assert [b.tolist() for b in batch] == [tokenizer.encode(t).tolist() for t in texts]
+    assert len(batch[0]) > 0 and len(batch[1]) == 0

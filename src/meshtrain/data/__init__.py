@@ -1,27 +1,31 @@
 """Data pipeline: documents → tokens (prepared shards) → packed sequences → deterministic,
-resumable batches."""
+resumable batches.
 
-from meshtrain.data.packing import PackedDocuments
-from meshtrain.data.pipeline import (
-    BatchIterator,
-    MixedDataset,
-    TokenDataset,
-    build_dataset,
-    source_shares,
-    validation_batches,
-)
-from meshtrain.data.synthetic import SyntheticDataset
-from meshtrain.data.tokenizer import ByteTokenizer, build_tokenizer
+The names below are imported on first use, so that `python -m meshtrain.data.prepare` and its
+worker processes load neither the config package nor JAX.
+"""
 
-__all__ = [
-    "BatchIterator",
-    "ByteTokenizer",
-    "MixedDataset",
-    "PackedDocuments",
-    "SyntheticDataset",
-    "TokenDataset",
-    "build_dataset",
-    "build_tokenizer",
-    "source_shares",
-    "validation_batches",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "BatchIterator": "meshtrain.data.pipeline",
+    "MixedDataset": "meshtrain.data.pipeline",
+    "TokenDataset": "meshtrain.data.pipeline",
+    "build_dataset": "meshtrain.data.pipeline",
+    "source_shares": "meshtrain.data.pipeline",
+    "validation_batches": "meshtrain.data.pipeline",
+    "PackedDocuments": "meshtrain.data.packing",
+    "SyntheticDataset": "meshtrain.data.synthetic",
+    "ByteTokenizer": "meshtrain.data.tokenizer",
+    "build_tokenizer": "meshtrain.data.tokenizer",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'meshtrain.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -1,0 +1,188 @@
+"""The prepared directory: every document's token ids in work-unit files, written atomically,
+and the reader that memory-maps them (meshtrain.data.prepare writes it).
+
+Layout of a prepared directory (FORMAT_VERSION 1):
+  plan.json               written first: the inputs (relpath, size, mtime_ns, format), tokenizer
+                          identity, options and the work units; a rerun with the same plan resumes
+  unit-NNNNN.tokens.npy   uint16 (vocab_size <= 65536) or uint32 [unit tokens]: the unit's
+                          documents' ids, no specials, one document after another
+  unit-NNNNN.docs.npy     uint64 [unit documents, 2]: (token count, key hash) per document
+  unit-NNNNN.json         written last for a unit: its counts per file and bad records (the
+                          marker that the unit is done)
+  manifest.json           written last of all: plan, per-file and total counts, bad records
+A document's key is its path relative to the root (a text file) or f"{relpath}:{record}"; the
+key hash is the first 8 bytes of its sha256, little-endian, and its draw is hash / 2**64.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from bisect import bisect_right
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from meshtrain.data.sources import BadRecords
+from meshtrain.data.tokenizer import build_tokenizer
+from meshtrain.errors import DataError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PLAN = "plan.json"
+TEMP_PREFIX = ".tmp-"  # partial files of an interrupted write; removed on resume
+MAX_OPEN_UNITS = 256  # memory maps held open at once (each holds a file descriptor)
+
+
+def unit_name(index: int) -> str:
+    return f"unit-{index:05d}"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits in it, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def key_hash(key: str) -> int:
+    """The document key's 64-bit hash: the first 8 bytes of sha256(key), little-endian."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
+
+
+def document_draw(key: str) -> float:
+    """The document's draw, uniform in [0, 1); the trainer validates on draw < fraction."""
+    return key_hash(key) / 2**64
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tokenizer_identity(tokenizer_name: str) -> dict[str, Any]:
+    """What makes token ids mean the same: kind, vocab_size, special ids and the sha256 of each
+    source file's content (not its path, so a prepared directory can move between machines)."""
+    tokenizer = build_tokenizer(tokenizer_name)
+    return {
+        "kind": type(tokenizer).__name__,
+        "vocab_size": tokenizer.vocab_size,
+        "bos_id": tokenizer.bos_id,
+        "eos_id": tokenizer.eos_id,
+        "pad_id": tokenizer.pad_id,
+        "sources": [{"name": p.name, "sha256": _file_sha256(p)} for p in tokenizer.source_files],
+    }
+
+
+def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Writes `path` through a temporary name and a rename, so it is whole or absent."""
+    temp = path.with_name(f"{TEMP_PREFIX}{path.name}.{os.getpid()}")
+    with open(temp, "wb") as f:
+        write(f)
+    os.replace(temp, path)
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Atomically writes `value` as sorted, indented JSON (the same value, the same bytes)."""
+    text = json.dumps(value, indent=1, sort_keys=True) + "\n"
+    write_atomic(path, lambda f: f.write(text.encode()))
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def write_unit(
+    directory: Path,
+    index: int,
+    tokens: list[np.ndarray],
+    hashes: list[int],
+    dtype: np.dtype,
+    stats: dict[str, Any],
+) -> None:
+    """Writes one unit: its documents' tokens (each int [length]) concatenated as `dtype`, their
+    (length, key hash) table, then the unit's `stats` JSON, the marker that it is complete."""
+    lengths = np.fromiter((len(t) for t in tokens), np.uint64, len(tokens))
+    flat = np.concatenate(tokens).astype(dtype) if tokens else np.zeros(0, dtype)
+    table = np.stack([lengths, np.array(hashes, np.uint64).reshape(-1)], axis=1)
+    name = unit_name(index)
+    write_atomic(directory / f"{name}.tokens.npy", lambda f: np.save(f, flat))
+    write_atomic(directory / f"{name}.docs.npy", lambda f: np.save(f, table))
+    write_json(directory / f"{name}.json", stats)
+
+
+class PreparedCorpus:
+    """A complete prepared directory: per-document lengths and draws in memory (24 bytes per
+    document with the offsets), token ids memory-mapped."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        if not (self.directory / MANIFEST).is_file():
+            raise DataError(
+                f"{self.directory} is not a prepared directory (no {MANIFEST}); make one with "
+                f"python -m meshtrain.data.prepare --out {self.directory} PATH..."
+            )
+        self.manifest: dict[str, Any] = read_json(self.directory / MANIFEST)
+        if self.manifest.get("version") != FORMAT_VERSION:
+            raise DataError(
+                f"{self.directory / MANIFEST}: format version {self.manifest.get('version')!r} "
+                f"is not {FORMAT_VERSION}; prepare it again into an empty directory"
+            )
+        units = self.manifest["units"]
+        tables = [np.load(self.directory / f"{u['name']}.docs.npy") for u in units]
+        table = np.concatenate(tables) if tables else np.zeros((0, 2), np.uint64)
+        self.lengths: np.ndarray = table[:, 0].astype(np.int64)  # [num_documents]
+        self.draws: np.ndarray = table[:, 1].astype(np.float64) / 2**64  # [num_documents]
+        self._starts = np.zeros(len(table) + 1, np.int64)  # token offset of each document
+        np.cumsum(self.lengths, out=self._starts[1:])
+        self._unit_starts = [0]  # token offset of each unit
+        for u in units:
+            self._unit_starts.append(self._unit_starts[-1] + u["tokens"])
+        self._names = [u["name"] for u in units]
+        self._maps: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.num_documents = len(table)
+        self.num_tokens = int(self._starts[-1])
+        self.bad_records = BadRecords(dict(self.manifest["bad_records"]))
+
+    def _unit_tokens(self, unit: int) -> np.ndarray:
+        """The memory map of a unit's tokens, kept open among the MAX_OPEN_UNITS last used."""
+        tokens = self._maps.get(unit)
+        if tokens is None:
+            path = self.directory / f"{self._names[unit]}.tokens.npy"
+            tokens = self._maps[unit] = np.load(path, mmap_mode="r")
+            if len(self._maps) > MAX_OPEN_UNITS:
+                self._maps.popitem(last=False)
+        else:
+            self._maps.move_to_end(unit)
+        return tokens
+
+    def read(self, document: int, start: int, stop: int) -> np.ndarray:
+        """Returns int32 [stop - start]: tokens start:stop of `document` (no specials)."""
+        if not 0 <= start <= stop <= self.lengths[document]:
+            raise IndexError(
+                f"tokens {start}:{stop} of document {document} (length "
+                f"{self.lengths[document]}) are out of range"
+            )
+        if start == stop:
+            return np.zeros(0, np.int32)
+        first = int(self._starts[document])
+        unit = bisect_right(self._unit_starts, first) - 1
+        offset = first - self._unit_starts[unit]
+        return self._unit_tokens(unit)[offset + start : offset + stop].astype(np.int32)
+
+    def check_tokenizer(self, tokenizer: str, *, key: str = "data.tokenizer") -> None:
+        """Raises a one-line DataError if `tokenizer` is not the one the directory was made with."""
+        made = self.manifest["tokenizer"]
+        if tokenizer_identity(tokenizer) == made:
+            return
+        name = self.manifest["tokenizer_name"]
+        raise DataError(
+            f"{key}={tokenizer!r} is not the tokenizer {self.directory} was prepared with "
+            f"({made['kind']}, vocab_size {made['vocab_size']}, from {name!r}); set "
+            f"{key}={name}, or prepare again with --tokenizer {tokenizer} into another --out"
+        )

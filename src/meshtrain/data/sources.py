@@ -1,0 +1,355 @@
+"""Finds the files of a corpus and reads their documents: .jsonl, .jsonl.gz, .parquet or one
+document per other file, with each bad record raised as one line or skipped and counted."""
+
+from __future__ import annotations
+
+import fnmatch
+import glob as globbing
+import gzip
+import json
+import os
+import sysconfig
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from meshtrain.errors import DataError
+
+FORMATS = ("jsonl", "jsonl.gz", "parquet", "text")
+ON_BAD_RECORD = ("error", "skip")
+BAD_RECORD_KINDS = (
+    "invalid_json",
+    "missing_text_key",
+    "non_string_text",
+    "undecodable_bytes",
+    "unreadable_parquet",
+)
+# Installed third-party packages are not corpus text, and a virtualenv may live under them. With a
+# venv, sysconfig's stdlib still points at the base interpreter's lib/pythonX.Y, whose
+# site-packages holds that interpreter's packages; Debian's system Python uses dist-packages.
+_PRUNED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_SKIP_HINT = "set data.on_bad_record=skip (prepare: --on-bad-record skip) to skip it"
+
+
+def document_format(path: Path) -> str:
+    """The format of a file by its name: jsonl, jsonl.gz, parquet, or text (one document)."""
+    name = path.name.lower()
+    for suffix, fmt in ((".jsonl", "jsonl"), (".jsonl.gz", "jsonl.gz"), (".parquet", "parquet")):
+        if name.endswith(suffix):
+            return fmt
+    return "text"
+
+
+def resolve_root(path: str | None) -> Path:
+    """Returns the corpus directory: `path`, or the standard library's source if None."""
+    root = Path(sysconfig.get_paths()["stdlib"] if path is None else path).expanduser()
+    if not root.is_dir():
+        raise ValueError(
+            f"data.path={path!r} is not a directory; point it at a folder of text documents "
+            "or set it to null for the Python standard library"
+        )
+    return root
+
+
+def _matches(parts: Sequence[str], pattern: Sequence[str]) -> bool:
+    """Glob match of path components, where `**` stands for zero or more directories."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_matches(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
+    return (
+        bool(parts)
+        and fnmatch.fnmatchcase(parts[0], pattern[0])
+        and _matches(parts[1:], pattern[1:])
+    )
+
+
+def list_documents(path: str | None, glob: str) -> list[Path]:
+    """Returns the readable files under the corpus root that match `glob`, sorted.
+
+    Walks the tree itself instead of using Path.glob so that site-packages is pruned rather than
+    walked and filtered: under a pyenv or system install it can hold ten times the stdlib's files.
+    """
+    root = resolve_root(path)
+    pattern = Path(glob).parts
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _PRUNED_DIRS]
+        rel_dir = Path(dirpath).relative_to(root).parts
+        for name in filenames:
+            file = Path(dirpath, name)
+            if _matches((*rel_dir, name), pattern) and file.is_file() and os.access(file, os.R_OK):
+                found.append(file)
+    if not found:
+        raise ValueError(f"data.glob={glob!r} matches no readable file under {str(root)!r}")
+    return sorted(found)
+
+
+def _files_under(directory: Path) -> list[Path]:
+    """Every file under `directory`, hidden names and __pycache__/site-packages pruned."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(directory):
+        dirnames[:] = [d for d in dirnames if d not in _PRUNED_DIRS and not d.startswith(".")]
+        found += [Path(dirpath, n) for n in filenames if not n.startswith(".")]
+    return [f for f in found if f.is_file()]
+
+
+def resolve_paths(patterns: Sequence[str], *, key: str = "data.paths") -> tuple[list[Path], Path]:
+    """Returns (the files named by `patterns`, sorted and de-duplicated, their root directory).
+
+    Each pattern is a file, a directory (every file under it) or a glob (`**` for any depth). The
+    root is the common directory of the files' parents: document keys are paths relative to it.
+    """
+    if not patterns:
+        raise DataError(f"{key} is empty; give at least one file, directory or glob")
+    files: set[Path] = set()
+    for pattern in patterns:
+        expanded = os.path.expanduser(pattern)
+        if globbing.has_magic(expanded):
+            matched = [Path(m) for m in globbing.glob(expanded, recursive=True)]
+            found = [f for m in matched for f in ([m] if m.is_file() else _files_under(m))]
+            if not found:
+                raise DataError(
+                    f"{key}: {pattern!r} matches no file; check the pattern (** matches any depth)"
+                )
+        elif Path(expanded).is_dir():
+            found = _files_under(Path(expanded))
+            if not found:
+                raise DataError(f"{key}: directory {pattern!r} holds no files; add documents to it")
+        elif Path(expanded).exists():
+            found = [Path(expanded)]
+        else:
+            raise DataError(
+                f"{key}: {pattern!r} does not exist; give a file, a directory or a glob"
+            )
+        files.update(f.absolute() for f in found)
+    ordered = sorted(files)
+    return ordered, Path(os.path.commonpath([f.parent for f in ordered]))
+
+
+@dataclass
+class BadRecords:
+    """Counts of skipped record-level faults, by kind (BAD_RECORD_KINDS)."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, n: int = 1) -> None:
+        if n:
+            self.counts[kind] = self.counts.get(kind, 0) + n
+
+    def merge(self, other: BadRecords) -> None:
+        for kind, n in other.counts.items():
+            self.add(kind, n)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def describe(self) -> str:
+        """e.g. "skipped 3 records: 2 invalid_json, 1 undecodable_bytes"."""
+        if not self.total:
+            return "skipped no records"
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.counts.items()) if n)
+        return f"skipped {self.total} record{'s' * (self.total != 1)}: {kinds}"
+
+
+@dataclass(frozen=True)
+class Part:
+    """A slice of one file: bytes [start, stop) of an uncompressed .jsonl, cut at line starts,
+    whose first line is line `first_record` (1-based); or row groups [start, stop) of a parquet
+    file whose first row is row `first_record` (0-based)."""
+
+    start: int
+    stop: int
+    first_record: int
+
+
+def _fault(kind: str, message: str, on_bad_record: str, bad: BadRecords) -> None:
+    """Raises the one-line `message` (on_bad_record=error) or counts the fault in `bad`."""
+    if on_bad_record == "error":
+        raise DataError(message)
+    bad.add(kind)
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def _record_text(
+    line: bytes, where: str, text_key: str, on_bad_record: str, bad: BadRecords
+) -> str | None:
+    """The text of one .jsonl line, or None when the line is bad and skipped."""
+    try:
+        record = json.loads(line)
+    except UnicodeDecodeError as err:
+        message = f"{where}: not UTF-8 ({err.reason}); fix the line, or "
+        _fault("undecodable_bytes", message + _SKIP_HINT, on_bad_record, bad)
+        return None
+    except json.JSONDecodeError as err:
+        message = f"{where}: invalid JSON ({err.msg} at column {err.colno}); fix the line, or "
+        _fault("invalid_json", message + _SKIP_HINT, on_bad_record, bad)
+        return None
+    if not isinstance(record, dict):
+        message = f"{where}: a JSON {type(record).__name__} where one object per line is expected; "
+        _fault("invalid_json", message + _SKIP_HINT, on_bad_record, bad)
+        return None
+    if text_key not in record or record[text_key] is None:
+        strings = [k for k, v in record.items() if isinstance(v, str)] or list(record)
+        fix = f"set data.text_key={strings[0]}" if strings else "give each record a text"
+        message = f"{where}: no {text_key!r} key (has keys {sorted(record)}); {fix}, or "
+        _fault("missing_text_key", message + _SKIP_HINT, on_bad_record, bad)
+        return None
+    text = record[text_key]
+    if not isinstance(text, str):
+        message = (
+            f"{where}: {text_key!r} is a {type(text).__name__}, not a string; set "
+            "data.text_key to a text field, or "
+        )
+        _fault("non_string_text", message + _SKIP_HINT, on_bad_record, bad)
+        return None
+    return text
+
+
+def _jsonl_lines(path: Path, part: Part | None) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line) of a .jsonl or .jsonl.gz file, or of one byte range of it."""
+    if part is None:
+        opener = gzip.open if document_format(path) == "jsonl.gz" else open
+        with opener(path, "rb") as f:
+            yield from enumerate(f, 1)
+        return
+    with open(path, "rb") as f:
+        f.seek(part.start)
+        position, number = part.start, part.first_record
+        while position < part.stop:
+            line = f.readline()
+            if not line:
+                return
+            yield number, line
+            position, number = position + len(line), number + 1
+
+
+def _read_jsonl(path, text_key, on_bad_record, bad, part) -> Iterator[tuple[int, str]]:
+    try:
+        for number, line in _jsonl_lines(path, part):
+            if line.strip():
+                text = _record_text(line, f"{path}:{number}", text_key, on_bad_record, bad)
+                if text is not None:
+                    yield number, text
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise DataError(
+            f"{path}: unreadable gzip file ({_one_line(err)}); re-create or remove it"
+        ) from None
+
+
+def _parquet_column(file: pq.ParquetFile, path: Path, text_key: str) -> None:
+    """Raises (always: no record could be read) if the file has no `text_key` column."""
+    names = file.schema_arrow.names
+    if text_key not in names:
+        fix = f"set data.text_key={names[0]}" if names else "write the text in a column"
+        raise DataError(f"{path}: no column {text_key!r} (columns: {names}); {fix}")
+
+
+def _read_parquet(path, text_key, on_bad_record, bad, part) -> Iterator[tuple[int, str]]:
+    """Reads the `text_key` column one row group at a time, never the whole file."""
+    try:
+        file = pq.ParquetFile(path)
+        _parquet_column(file, path, text_key)
+        groups = range(file.num_row_groups) if part is None else range(part.start, part.stop)
+        row = 0 if part is None else part.first_record
+        for group in groups:
+            values = file.read_row_group(group, columns=[text_key]).column(0).to_pylist()
+            for offset, text in enumerate(values):
+                where = f"{path} row {row + offset}"
+                if text is None:
+                    message = f"{where}: {text_key!r} is null; fill it, or "
+                    _fault("missing_text_key", message + _SKIP_HINT, on_bad_record, bad)
+                elif not isinstance(text, str):
+                    message = (
+                        f"{where}: {text_key!r} is a {type(text).__name__}, not a string; set "
+                        "data.text_key to a text column, or "
+                    )
+                    _fault("non_string_text", message + _SKIP_HINT, on_bad_record, bad)
+                else:
+                    yield row + offset, text
+            row += len(values)
+    except (pa.ArrowInvalid, OSError) as err:
+        message = f"{path}: unreadable parquet file ({_one_line(err)}); re-create or remove it, or "
+        _fault("unreadable_parquet", message + _SKIP_HINT, on_bad_record, bad)
+
+
+def _read_text(path: Path, on_bad_record: str, bad: BadRecords) -> Iterator[tuple[int, str]]:
+    data = path.read_bytes()
+    try:
+        yield 0, data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        message = (
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x}); convert the file "
+            "to UTF-8 or remove it, or "
+        )
+        _fault("undecodable_bytes", message + _SKIP_HINT, on_bad_record, bad)
+
+
+def read_documents(
+    path: Path,
+    *,
+    text_key: str = "text",
+    on_bad_record: str = "error",
+    bad: BadRecords,
+    part: Part | None = None,
+) -> Iterator[tuple[int, str]]:
+    """Yields (record number, text) of each document of `path` (or of its `part`), in file order.
+
+    Record numbers: the 1-based line of a .jsonl/.jsonl.gz, the 0-based row of a parquet file, 0
+    for a text file (one document). Blank .jsonl lines are skipped silently; empty texts are
+    yielded. A bad record raises a one-line DataError, or with on_bad_record="skip" is counted
+    in `bad` and skipped.
+    """
+    if on_bad_record not in ON_BAD_RECORD:
+        raise DataError(
+            f"data.on_bad_record={on_bad_record!r} is not supported; use one of {ON_BAD_RECORD}"
+        )
+    fmt = document_format(path)
+    if fmt in ("jsonl", "jsonl.gz"):
+        return _read_jsonl(path, text_key, on_bad_record, bad, part)
+    if fmt == "parquet":
+        return _read_parquet(path, text_key, on_bad_record, bad, part)
+    return _read_text(path, on_bad_record, bad)
+
+
+def split_jsonl(path: Path, unit_bytes: int) -> list[Part]:
+    """Cuts an uncompressed .jsonl into byte ranges of about `unit_bytes`, each ending at a line
+    end, with the line number each starts at (one pass over the file, counting newlines)."""
+    size, parts = path.stat().st_size, []
+    with open(path, "rb") as f:
+        start, line = 0, 1
+        while start < size:
+            newlines, remaining = 0, unit_bytes
+            while remaining > 0 and (chunk := f.read(min(remaining, 1 << 20))):
+                newlines, remaining = newlines + chunk.count(b"\n"), remaining - len(chunk)
+            newlines += f.readline().count(b"\n")  # finish the line the cut fell in
+            parts.append(Part(start, f.tell(), line))
+            start, line = f.tell(), line + newlines
+    return parts
+
+
+def split_parquet(path: Path, unit_bytes: int) -> list[Part] | None:
+    """Cuts a parquet file into ranges of row groups of about `unit_bytes` (compressed), or None
+    if its footer cannot be read (the reader then reports the file)."""
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except (pa.ArrowInvalid, OSError):
+        return None
+    parts, start, first_row, row, size = [], 0, 0, 0, 0
+    for group in range(meta.num_row_groups):
+        rg = meta.row_group(group)
+        size += sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
+        row += rg.num_rows
+        if size >= unit_bytes or group == meta.num_row_groups - 1:
+            parts.append(Part(start, group + 1, first_row))
+            start, first_row, size = group + 1, row, 0
+    return parts
