@@ -11,6 +11,7 @@ COMMANDS = {
     "meshtrain-generate": "meshtrain.cli.generate:main",
     "meshtrain-export": "meshtrain.cli.export:main",
     "meshtrain-launch": "meshtrain.cli.launch:main",
+    "meshtrain-prepare": "meshtrain.data.prepare:main",
 }
 
 
@@ -27,6 +28,7 @@ def test_every_entry_point_is_a_console_script():
         ("meshtrain.launch", "usage: python -m meshtrain.launch"),
         ("meshtrain.generate", "usage: python -m meshtrain.generate"),
         ("meshtrain.export", "usage: python -m meshtrain.export"),
+        ("meshtrain.data.prepare", "usage: python -m meshtrain.data.prepare"),
     ],
 )
 def test_python_dash_m_forms_still_work(module, usage):

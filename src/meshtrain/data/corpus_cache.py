@@ -6,7 +6,7 @@ and modification time (in order), the directory the document keys are relative t
 tokenizer (meshtrain.data.shards.tokenizer_identity: its kind, special ids and its files'
 contents), data.text_key, data.on_bad_record and the source of the modules that read and
 tokenise. Editing, adding or removing a file therefore makes a new entry; nothing is ever
-served stale. A hit is memory-mapped: start-up costs a stat per file.
+served stale. A hit is opened as it is: start-up costs a stat per file.
 
 An entry is prepared in a directory of its own and renamed into place, so processes sharing
 the cache (several on one host, or a shared home directory) never see half an entry. Past

@@ -4,8 +4,8 @@ The documents of a split are laid out as one stream of `[bos] doc [eos]` blocks 
 a tokenizer without bos) and cut into consecutive, non-overlapping windows of seq_len + 1
 tokens; the last window is padded with pad_id, or dropped for a tokenizer without pad. A
 document longer than a window simply continues in the next one: nothing is dropped. Nothing is
-materialised: a window is assembled from the memory-mapped shards when it is read, so memory
-holds only per-document arrays (16 bytes a document), whatever the corpus size.
+materialised: a window is assembled from the prepared shards when it is read, so memory holds
+only per-document arrays (16 bytes a document here, 24 in the corpus), whatever the corpus size.
 """
 
 from __future__ import annotations

@@ -321,7 +321,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = _Parser(prog="meshtrain-prepare", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m meshtrain.data.prepare", description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", metavar="PATH", help="files, directories or globs")
     parser.add_argument("--out", type=Path, required=True, help="the prepared directory")
     parser.add_argument("--tokenizer", default="byte", help="as data.tokenizer (default: byte)")

@@ -1,5 +1,5 @@
 """The prepared directory: every document's token ids in work-unit files, written atomically,
-and the reader that memory-maps them (meshtrain.data.prepare writes it).
+and the reader that reads exactly the tokens asked for (meshtrain.data.prepare writes it).
 
 Layout of a prepared directory (FORMAT_VERSION 1):
   plan.json               written first: the inputs (relpath, size, mtime_ns, format), tokenizer
@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable
@@ -35,7 +36,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 TEMP_PREFIX = ".tmp-"  # partial files of an interrupted write; removed on resume
-MAX_OPEN_UNITS = 256  # memory maps held open at once (each holds a file descriptor)
+MAX_OPEN_UNITS = 256  # token files held open at once (each holds a file descriptor)
 
 
 def unit_name(index: int) -> str:
@@ -118,7 +119,7 @@ def write_unit(
 
 class PreparedCorpus:
     """A complete prepared directory: per-document lengths and draws in memory (24 bytes per
-    document with the offsets), token ids memory-mapped."""
+    document with the offsets), token ids read from disk as they are asked for."""
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
@@ -144,25 +145,39 @@ class PreparedCorpus:
         for u in units:
             self._unit_starts.append(self._unit_starts[-1] + u["tokens"])
         self._names = [u["name"] for u in units]
-        self._maps: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._files: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._dtype = np.dtype(self.manifest["token_dtype"])
         self.num_documents = len(table)
         self.num_tokens = int(self._starts[-1])
         self.bad_records = BadRecords(dict(self.manifest["bad_records"]))
 
-    def _unit_tokens(self, unit: int) -> np.ndarray:
-        """The memory map of a unit's tokens, kept open among the MAX_OPEN_UNITS last used."""
-        tokens = self._maps.get(unit)
-        if tokens is None:
-            path = self.directory / f"{self._names[unit]}.tokens.npy"
-            tokens = self._maps[unit] = np.load(path, mmap_mode="r")
-            if len(self._maps) > MAX_OPEN_UNITS:
-                self._maps.popitem(last=False)
-        else:
-            self._maps.move_to_end(unit)
-        return tokens
+    def _unit_file(self, unit: int) -> tuple[int, int]:
+        """(file descriptor, offset of the first token) of a unit's tokens, kept open among the
+        MAX_OPEN_UNITS last used; reader threads share them (os.pread has no file position)."""
+        with self._lock:
+            opened = self._files.get(unit)
+            if opened is None:
+                path = self.directory / f"{self._names[unit]}.tokens.npy"
+                with open(path, "rb") as f:  # the .npy header: where the data starts
+                    if np.lib.format.read_magic(f) == (1, 0):
+                        np.lib.format.read_array_header_1_0(f)
+                    else:
+                        np.lib.format.read_array_header_2_0(f)
+                    offset = f.tell()
+                opened = self._files[unit] = (os.open(path, os.O_RDONLY), offset)
+                if len(self._files) > MAX_OPEN_UNITS:
+                    os.close(self._files.popitem(last=False)[1][0])
+            else:
+                self._files.move_to_end(unit)
+            return opened
 
     def read(self, document: int, start: int, stop: int) -> np.ndarray:
-        """Returns int32 [stop - start]: tokens start:stop of `document` (no specials)."""
+        """Returns int32 [stop - start]: tokens start:stop of `document` (no specials).
+
+        Read with os.pread into a fresh buffer rather than through a memory map: only these
+        tokens are read, and the process's memory does not grow with the pages a map would
+        keep resident (the kernel's page cache still serves repeated reads)."""
         if not 0 <= start <= stop <= self.lengths[document]:
             raise IndexError(
                 f"tokens {start}:{stop} of document {document} (length "
@@ -172,8 +187,15 @@ class PreparedCorpus:
             return np.zeros(0, np.int32)
         first = int(self._starts[document])
         unit = bisect_right(self._unit_starts, first) - 1
-        offset = first - self._unit_starts[unit]
-        return self._unit_tokens(unit)[offset + start : offset + stop].astype(np.int32)
+        fd, offset = self._unit_file(unit)
+        size = self._dtype.itemsize
+        position = offset + (first - self._unit_starts[unit] + start) * size
+        data = os.pread(fd, (stop - start) * size, position)
+        return np.frombuffer(data, self._dtype).astype(np.int32)
+
+    def __del__(self) -> None:
+        for fd, _ in getattr(self, "_files", {}).values():
+            os.close(fd)
 
     def check_tokenizer(self, tokenizer: str, *, key: str = "data.tokenizer") -> None:
         """Raises a one-line DataError if `tokenizer` is not the one the directory was made with."""
