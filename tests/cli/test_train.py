@@ -53,6 +53,21 @@ from helpers.process import assert_one_line_error, run_training, subprocess_env
             "training.lr_schedule='linear' is not supported; use one of: cosine, constant",
         ),
         (
+            "model.mesh_shape=[[8,1],[fsdp,tp]] data=text data.paths=[/no/such/corpus.jsonl]",
+            "data.paths: '/no/such/corpus.jsonl' does not exist; give a file, a directory or a "
+            "glob",
+        ),
+        (
+            "data=prepared",
+            "data.source=prepared needs data.path=DIR, a directory made by "
+            "python -m meshtrain.data.prepare --out DIR ...",
+        ),
+        (
+            "data=text",
+            "data=text needs data.paths: files, directories or globs of documents, e.g. "
+            "'data.paths=[corpus/*.jsonl]'",
+        ),
+        (
             "model.mesh_shape=[[8,1],[fsdp,tp]] data.source=web",
             "data.source='web' is not supported; use one of: text, prepared, synthetic",
         ),
@@ -85,7 +100,7 @@ def test_help_lists_the_config_groups():
     result = run_training("--help")
     assert result.returncode == 0, result.stderr
     for group in (
-        "data: stdlib, synthetic",
+        "data: prepared, stdlib, synthetic, text",
         "experiment: tiny_fsdp, tiny_hybrid",
         "model: gemma3_12b, gemma3_1b, gemma3_270m, gemma3_27b, gemma3_4b, llama3_1b, "
         "llama3_3b, llama3_8b, qwen3_0_6b, qwen3_1_7b, qwen3_4b, qwen3_8b, tiny",

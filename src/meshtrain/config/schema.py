@@ -187,8 +187,8 @@ class DataConfig:
     """text: files, directories or globs; the format comes from the extension (.jsonl, .jsonl.gz, .parquet; any other file is one document). Empty: data.path and data.glob."""
     path: str | None = None
     """text without data.paths: the directory data.glob searches (null: the Python standard library's own source). prepared: the prepared directory."""
-    glob: str = "**/*.py"
-    """Pattern, relative to `path`, of the documents to read (text without data.paths)."""
+    glob: str | None = "**/*.py"
+    """Pattern, relative to `path`, of the documents to read (text without data.paths); null: none (data=text)."""
     text_key: str = "text"
     """The field of a .jsonl record, or the column of a .parquet file, that holds the text."""
     mixture: list[MixtureSource] = field(default_factory=list)

@@ -91,6 +91,12 @@ def _check_data(data: DataConfig) -> None:
                 bool(source.name) and source.name not in names[:i],
                 f"{key}.name={source.name!r} must be a unique, non-empty name",
             )
+    elif data.source == "text":
+        _require(
+            bool(data.paths) or data.glob is not None,
+            "data=text needs data.paths: files, directories or globs of documents, e.g. "
+            "'data.paths=[corpus/*.jsonl]'",
+        )
     elif data.source == "prepared":
         _require(
             data.path is not None,
