@@ -189,7 +189,9 @@ def test_missing_and_non_string_text_key(tmp_path):
         f"{path}:1: no 'text' key (has keys ['content', 'id']); set data.text_key=content, or "
     )
     path = write_jsonl(tmp_path / "b.jsonl", ['{"text": 3}', '{"text": null}', '{"text": "t"}'])
-    assert one_line_error(path).startswith(f"{path}:1: 'text' is a int, not a string; set data.")
+    assert one_line_error(path).startswith(
+        f"{path}:1: 'text' holds int '3', not a string; set data."
+    )
     docs, bad = read(path, "skip")
     assert docs == [(3, "t")]
     assert bad.counts == {"non_string_text": 1, "missing_text_key": 1}

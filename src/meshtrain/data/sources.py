@@ -206,7 +206,7 @@ def _record_text(
     text = record[text_key]
     if not isinstance(text, str):
         message = (
-            f"{where}: {text_key!r} is a {type(text).__name__}, not a string; set "
+            f"{where}: {text_key!r} holds {type(text).__name__} {str(text)[:20]!r}, not a string; set "
             "data.text_key to a text field, or "
         )
         _fault("non_string_text", message + _SKIP_HINT, on_bad_record, bad)
@@ -269,7 +269,7 @@ def _read_parquet(path, text_key, on_bad_record, bad, part) -> Iterator[tuple[in
                     _fault("missing_text_key", message + _SKIP_HINT, on_bad_record, bad)
                 elif not isinstance(text, str):
                     message = (
-                        f"{where}: {text_key!r} is a {type(text).__name__}, not a string; set "
+                        f"{where}: {text_key!r} holds {type(text).__name__} {str(text)[:20]!r}, not a string; set "
                         "data.text_key to a text column, or "
                     )
                     _fault("non_string_text", message + _SKIP_HINT, on_bad_record, bad)
