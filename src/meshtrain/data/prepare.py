@@ -321,13 +321,30 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = _Parser(prog="python -m meshtrain.data.prepare", description=__doc__.splitlines()[0])
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="files, directories or globs")
+    parser = _Parser(
+        prog="python -m meshtrain.data.prepare",
+        description="Tokenise documents once into token shards that `data=prepared "
+        "data.path=DIR` trains on. An interrupted run continues where it stopped when run again.",
+    )
+    parser.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="files, directories or globs: .jsonl, .jsonl.gz, .parquet, any other file is one "
+        "document",
+    )
     parser.add_argument("--out", type=Path, required=True, help="the prepared directory")
     parser.add_argument("--tokenizer", default="byte", help="as data.tokenizer (default: byte)")
-    parser.add_argument("--text-key", default="text", help="JSON key or parquet column of text")
-    parser.add_argument("--workers", type=int, default=1, help="processes (default: 1)")
-    parser.add_argument("--on-bad-record", choices=ON_BAD_RECORD, default="error")
+    parser.add_argument(
+        "--text-key", default="text", help="JSON key or parquet column of the text (default: text)"
+    )
+    parser.add_argument("--workers", type=int, default=1, help="tokenising processes (default: 1)")
+    parser.add_argument(
+        "--on-bad-record",
+        choices=ON_BAD_RECORD,
+        default="error",
+        help="stop at a bad record (default), or skip and count it",
+    )
     args = parser.parse_args(argv)
     try:
         files, root = resolve_paths(args.paths, key="PATH")
