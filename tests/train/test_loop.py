@@ -184,6 +184,7 @@ def test_default_run_loss_falls_and_writes_its_files(run_dir):
         lines[0]["loss"] - lines[-1]["loss"] > 2.0
     )  # from ≈5.95 towards byte-level English/Python
     assert lines[-1]["val_loss"] < lines[0]["loss"] - 2.0
+    assert lines[-1]["val_perplexity"] == pytest.approx(math.exp(lines[-1]["val_loss"]))
     assert result.history == lines
     assert "step 60/60" in (run_dir / "train.log").read_text()
     assert list(run_dir.glob("events.out.tfevents.*"))
