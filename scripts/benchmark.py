@@ -121,12 +121,13 @@ def machine() -> str:
     return f"{_cpu_model()}, {cores} cores{ram}, {platform.system()} {platform.release()}"
 
 
-def stamp(result: dict[str, Any], argv: list[str]) -> dict[str, Any]:
+def stamp(result: dict[str, Any], argv: list[str], script: str = "benchmark.py") -> dict[str, Any]:
+    """`result` with the machine, the date and the command (`python scripts/<script> <argv>`)."""
     return {
         **result,
         "machine": machine(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "scripts/benchmark.py", *argv]),
+        "command": shlex.join(["python", f"scripts/{script}", *argv]),
     }
 
 

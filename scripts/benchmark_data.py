@@ -31,10 +31,8 @@ docs/data.md records the numbers.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -48,7 +46,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from benchmark import OVERRIDES, child_env, machine, progress  # noqa: E402
+from benchmark import OVERRIDES, child_env, progress, stamp  # noqa: E402
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 SEQ_LEN = 256  # W1's sequence length
@@ -435,15 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="meshtrain-benchmark-data-") as tmp:
             result = run(args, Path(tmp))
-    result = {
-        **result,
-        "seconds": time.perf_counter() - start,
-        "machine": machine(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(
-            ["python", "scripts/benchmark_data.py", *(sys.argv[1:] if argv is None else argv)]
-        ),
-    }
+    result = {**result, "seconds": time.perf_counter() - start}
+    result = stamp(result, sys.argv[1:] if argv is None else list(argv), "benchmark_data.py")
     if args.json:
         print(json.dumps(result))
     else:

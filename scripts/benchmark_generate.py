@@ -15,9 +15,7 @@ script against the source of an earlier commit: PYTHONPATH=<that commit's src>).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import shlex
 import statistics
 import sys
 import time
@@ -75,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from meshtrain.models.transformer import Transformer
 
     sys.path.insert(0, str(REPO / "scripts"))
-    from benchmark import machine  # the machine line of every benchmark result
+    from benchmark import stamp  # the machine, date and command of every benchmark result
 
     cfg = model_config(args.model, args.set).model
     model = Transformer(cfg, rngs=nnx.Rngs(0))
@@ -104,12 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         "devices": 1,
         "jax": jax.__version__,
         "meshtrain": str(Path(meshtrain.__file__).parent),
-        "machine": machine(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(
-            ["python", "scripts/benchmark_generate.py", *(sys.argv[1:] if argv is None else argv)]
-        ),
     }
+    result = stamp(result, sys.argv[1:] if argv is None else list(argv), "benchmark_generate.py")
     if args.json:
         print(json.dumps(result))
     else:
