@@ -16,6 +16,7 @@ key hash is the first 8 bytes of its sha256, little-endian, and its draw is hash
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -59,6 +60,13 @@ def document_draw(key: str) -> float:
 
 
 def _file_sha256(path: Path) -> str:
+    stat = path.stat()
+    return _sha256(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)
+def _sha256(path: Path, size: int, mtime_ns: int) -> str:
+    """The content hash of one version (size, modification time) of a file, computed once."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):

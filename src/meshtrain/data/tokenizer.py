@@ -9,6 +9,7 @@ tokenizer_config.json beside it (as Hugging Face checkpoints ship it), else from
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -234,11 +235,27 @@ def build_tokenizer(name: str) -> Tokenizer:
             f"data.tokenizer={name!r} is not supported; use byte, a tokenizer.json file, a "
             "sentencepiece .model file, or a directory holding one"
         )
-    if path.suffix == ".json":
-        return HFTokenizer(path)
-    if path.suffix == ".model":
-        return SentencePieceTokenizer(path)
-    raise ValueError(
-        f"data.tokenizer={name!r}: unknown tokenizer file type {path.suffix!r}; use a "
-        "tokenizer.json (Hugging Face tokenizers) or a .model (sentencepiece) file"
-    )
+    if path.suffix not in (".json", ".model"):
+        raise ValueError(
+            f"data.tokenizer={name!r}: unknown tokenizer file type {path.suffix!r}; use a "
+            "tokenizer.json (Hugging Face tokenizers) or a .model (sentencepiece) file"
+        )
+    files = [path, *(path.parent / n for n in COMPANION_FILES)]
+    return _load_tokenizer(path.resolve(), tuple(_stamp(f) for f in files))
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """(size, modification time) of a file, None if it is absent."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_size, stat.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer(path: Path, stamps: tuple[tuple[int, int] | None, ...]) -> Tokenizer:
+    """The tokenizer in `path`, loaded once per version of it and its companion files
+    (`stamps`): a start-up asks for it several times (the data splits, the cache key, document
+    masking), and a large tokenizer.json takes a second to load."""
+    return HFTokenizer(path) if path.suffix == ".json" else SentencePieceTokenizer(path)
