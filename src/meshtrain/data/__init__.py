@@ -15,6 +15,7 @@ _LAZY = {
     "MixedDataset": "meshtrain.data.pipeline",
     "TokenDataset": "meshtrain.data.pipeline",
     "build_dataset": "meshtrain.data.pipeline",
+    "build_datasets": "meshtrain.data.pipeline",
     "source_shares": "meshtrain.data.pipeline",
     "validation_batches": "meshtrain.data.pipeline",
     "PackedDocuments": "meshtrain.data.packing",

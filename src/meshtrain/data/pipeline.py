@@ -178,8 +178,6 @@ def _split_documents(
 ) -> list[tuple[PreparedCorpus, np.ndarray]]:
     """Each corpus's documents of `split`: validation holds those whose stable draw (a hash of
     the document's file and record) is below `fraction`, the same on every machine and seed."""
-    if fraction == 0.0 and split == "train":
-        return [(c, np.arange(c.num_documents)) for c in corpora]
     held_out = [c.draws < fraction for c in corpora]
     return [
         (c, np.flatnonzero(h if split == "validation" else ~h))
@@ -187,40 +185,70 @@ def _split_documents(
     ]
 
 
-def build_dataset(cfg: DataConfig, *, split: str, vocab_size: int) -> TokenDataset:
-    """Returns the `split` ("train" or "validation") of the dataset described by `cfg`.
+def build_datasets(
+    cfg: DataConfig, *, splits: Sequence[str], vocab_size: int
+) -> dict[str, TokenDataset]:
+    """The `splits` ("train", "validation") of the dataset described by `cfg`, all from one
+    opening of its sources (one directory walk, one cache lookup, one index in memory).
 
     `vocab_size` is the model's embedding rows: synthetic tokens are drawn below it, and a
     tokenizer must fit in it. A split without documents is returned empty; the caller decides.
     """
-    if split not in SPLITS:
-        raise ValueError(f"split={split!r} is not supported; use one of {SPLITS}")
+    for split in splits:
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r} is not supported; use one of {SPLITS}")
     if cfg.source == "synthetic":
         # Different Philox keys per split, so validation tokens are not training tokens.
-        return SyntheticDataset(
-            vocab_size=vocab_size, seq_len=cfg.seq_len, seed=SPLITS.index(split), split=split
-        )
+        return {
+            split: SyntheticDataset(
+                vocab_size=vocab_size, seq_len=cfg.seq_len, seed=SPLITS.index(split), split=split
+            )
+            for split in splits
+        }
     tokenizer = build_tokenizer(cfg.tokenizer)
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(
             f"model.vocab_size={vocab_size} is smaller than the vocabulary of "
             f"data.tokenizer={cfg.tokenizer!r} ({tokenizer.vocab_size}); raise model.vocab_size"
         )
-    if split == "validation" and cfg.validation_paths:
+    datasets: dict[str, TokenDataset] = {}
+    if "validation" in splits and cfg.validation_paths:
         corpora = _corpora(cfg.validation_paths, cfg, key="data.validation_paths")
-        return _packed([(c, np.arange(c.num_documents)) for c in corpora], cfg, tokenizer, split)
-    fraction = 0.0 if cfg.validation_paths else cfg.validation_fraction
-    sources = []
-    for name, corpora, weight in _source_corpora(cfg):
+        parts = [(c, np.arange(c.num_documents)) for c in corpora]
+        datasets["validation"] = _packed(parts, cfg, tokenizer, "validation")
+    rest = [split for split in splits if split not in datasets]
+    if rest:
+        sources = _source_corpora(cfg)
+        fraction = 0.0 if cfg.validation_paths else cfg.validation_fraction
+        for split in rest:
+            datasets[split] = _split_dataset(sources, fraction, cfg, tokenizer, split)
+    return {split: datasets[split] for split in splits}
+
+
+def build_dataset(cfg: DataConfig, *, split: str, vocab_size: int) -> TokenDataset:
+    """The `split` ("train" or "validation") of the dataset described by `cfg` (build_datasets)."""
+    return build_datasets(cfg, splits=(split,), vocab_size=vocab_size)[split]
+
+
+def _split_dataset(
+    sources: Sequence[tuple[str, list[PreparedCorpus], float]],
+    fraction: float,
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    split: str,
+) -> TokenDataset:
+    """One split of the sources: a single source's packed documents, or their mixture."""
+    packed_sources = []
+    for name, corpora, weight in sources:
         packed = _packed(_split_documents(corpora, fraction, split), cfg, tokenizer, split)
         if split == "train" and packed.num_documents == 0:
             raise DataError(f"data source {name!r} has no training documents{_emptied(corpora)}")
-        sources.append((name, packed, weight))
-    if len(sources) == 1:
-        return sources[0][1]
+        packed_sources.append((name, packed, weight))
+    if len(packed_sources) == 1:
+        return packed_sources[0][1]
     if split == "validation":  # a source without held-out documents is left out of validation
-        sources = [s for s in sources if len(s[1])] or sources[:1]
-    names, datasets, weights = zip(*sources, strict=True)
+        packed_sources = [s for s in packed_sources if len(s[1])] or packed_sources[:1]
+    names, datasets, weights = zip(*packed_sources, strict=True)
     return MixedDataset(names, datasets, weights)
 
 

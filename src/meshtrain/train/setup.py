@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from meshtrain.config.schema import Config
 from meshtrain.config.validate import check_against_mesh, check_config, micro_batch_size
-from meshtrain.data import MixedDataset, TokenDataset, build_dataset
+from meshtrain.data import MixedDataset, TokenDataset, build_datasets
 from meshtrain.distributed.runtime import process_hosts
 from meshtrain.errors import ConfigError
 from meshtrain.models.abstract import (
@@ -91,11 +91,14 @@ def _data_error(err: ValueError) -> ConfigError:
     return err if isinstance(err, ConfigError) else ConfigError(str(err))
 
 
-def _build_data(cfg: Config, split: str) -> TokenDataset:
+def _build_data(cfg: Config) -> tuple[TokenDataset, TokenDataset | None]:
+    """The train split, and the validation split unless evaluation is off."""
+    splits = ("train", "validation") if cfg.training.eval_every else ("train",)
     try:
-        return build_dataset(cfg.data, split=split, vocab_size=cfg.model.vocab_size)
+        datasets = build_datasets(cfg.data, splits=splits, vocab_size=cfg.model.vocab_size)
     except ValueError as err:
         raise _data_error(err) from None
+    return datasets["train"], datasets.get("validation")
 
 
 def prepare(
@@ -118,13 +121,12 @@ def prepare(
     if not with_data:
         return Setup(cfg, mesh_spec, mesh, model, micro, None, None, documents)
     with phase(log, f"reading the data ({cfg.data.source})", "read the data"):
-        train_data = _build_data(cfg, "train")
+        train_data, validation_data = _build_data(cfg)
         if len(train_data) == 0:
             raise ConfigError(
                 f"the training documents fill no sequence of data.seq_len={cfg.data.seq_len} "
                 "tokens; add documents or lower data.seq_len"
             )
-        validation_data = _build_data(cfg, "validation") if cfg.training.eval_every else None
     if validation_data is not None and len(validation_data) == 0:
         validation_data = None
     return Setup(cfg, mesh_spec, mesh, model, micro, train_data, validation_data, documents)
