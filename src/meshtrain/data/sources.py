@@ -205,13 +205,20 @@ def _record_text(
         return None
     text = record[text_key]
     if not isinstance(text, str):
-        message = (
-            f"{where}: {text_key!r} holds {type(text).__name__} {str(text)[:20]!r}, not a string; set "
-            "data.text_key to a text field, or "
-        )
-        _fault("non_string_text", message + _SKIP_HINT, on_bad_record, bad)
+        _not_a_string(where, text_key, text, "field", on_bad_record, bad)
         return None
     return text
+
+
+def _not_a_string(
+    where: str, text_key: str, value: object, holder: str, on_bad_record: str, bad: BadRecords
+) -> None:
+    """The fault of a record whose `text_key` (a JSON field or parquet column) is no string."""
+    message = (
+        f"{where}: {text_key!r} holds {type(value).__name__} {str(value)[:20]!r}, not a "
+        f"string; set data.text_key to a text {holder}, or "
+    )
+    _fault("non_string_text", message + _SKIP_HINT, on_bad_record, bad)
 
 
 def _jsonl_lines(path: Path, part: Part | None) -> Iterator[tuple[int, bytes]]:
@@ -268,11 +275,7 @@ def _read_parquet(path, text_key, on_bad_record, bad, part) -> Iterator[tuple[in
                     message = f"{where}: {text_key!r} is null; fill it, or "
                     _fault("missing_text_key", message + _SKIP_HINT, on_bad_record, bad)
                 elif not isinstance(text, str):
-                    message = (
-                        f"{where}: {text_key!r} holds {type(text).__name__} {str(text)[:20]!r}, not a string; set "
-                        "data.text_key to a text column, or "
-                    )
-                    _fault("non_string_text", message + _SKIP_HINT, on_bad_record, bad)
+                    _not_a_string(where, text_key, text, "column", on_bad_record, bad)
                 else:
                     yield row + offset, text
             row += len(values)
