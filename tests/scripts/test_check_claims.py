@@ -97,7 +97,7 @@ def test_ci_runs_it_as_a_report_and_the_readme_says_so():
 
 def test_the_suite_claim_is_the_readme_test_command():
     (suite,) = [claim for claim in check_claims.CLAIMS if claim.measure == "suite_min"]
-    assert (suite.doc, suite.claimed, suite.unit, suite.group) == ("README.md", 8, "min", "suite")
+    assert (suite.doc, suite.claimed, suite.unit, suite.group) == ("README.md", 9, "min", "suite")
     readme = " ".join((REPO / "README.md").read_text().split())
     assert (
         f"`python -m pytest -q` runs the default suite on 8 faked CPU devices (set up in "

@@ -18,7 +18,8 @@ from meshtrain.models.abstract import abstract_model
 from meshtrain.models.transformer import Transformer
 from meshtrain.observe.communication import account_collectives
 from meshtrain.parallel.mesh import build_mesh, parse_mesh_shape
-from meshtrain.train.step import output_cross_entropy, token_loss_sum
+from meshtrain.train.loss import output_cross_entropy
+from meshtrain.train.step import token_loss_sum
 
 RULES = DEFAULT_LOGICAL_AXIS_RULES
 

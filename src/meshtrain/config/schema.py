@@ -37,6 +37,8 @@ NonfiniteMode = Literal["stop", "skip"]
 """training.nonfinite."""
 ReduceDtype = Literal["fp32", "bf16"]
 """training.reduce_dtype: the precision of the gradient reductions meshtrain runs itself."""
+PipelineSchedule = Literal["gpipe", "1f1b"]
+"""training.pipeline.schedule."""
 ResumeMode = Literal["auto", "never"]
 """checkpoint.resume, unless it is a checkpoint path."""
 DataSource = Literal["text", "prepared", "synthetic"]
@@ -89,7 +91,7 @@ DEFAULT_LOGICAL_AXIS_RULES: dict[str, Any] = {
     "head_dim": None,
     "mlp": "tp",
     "norm": None,
-    "layers": None,
+    "layers": "pp",  # stacked blocks (model.scan_layers): each pipeline stage holds its own
 }
 
 
@@ -98,7 +100,7 @@ class ModelConfig:
     name: str = "tiny"
     """Name of the model flavour, used in logs and run directories."""
     mesh_shape: list[Any] = field(default_factory=lambda: [[1, 1], ["fsdp", "tp"]])
-    """[[sizes...], [axis names...]]: device mesh; axes are fsdp, tp and dp; one size may be -1."""
+    """[[sizes...], [axis names...]]: device mesh; axes are fsdp, tp, dp and pp (pipeline stages); one size may be -1."""
     logical_axis_rules: dict[str, Any] = field(
         default_factory=lambda: dict(DEFAULT_LOGICAL_AXIS_RULES)
     )
@@ -212,6 +214,17 @@ class DataConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """training.pipeline: how micro-batches flow through the stages of a `pp` mesh axis
+    (docs/parallelism.md#pipeline-parallelism)."""
+
+    schedule: str = "gpipe"  # PipelineSchedule
+    """gpipe (all forwards, then all backwards) or 1f1b (a backward as soon as it can run: the activations of at most ~2 × pp micro-batches are kept, and each stage recomputes its forward)."""
+    microbatches: int | None = None
+    """Pipeline micro-batches each micro-batch is split into; null: pp. The bubble is (pp - 1) / (microbatches + pp - 1)."""
+
+
+@dataclass
 class TrainingConfig:
     steps: int = 200
     """Number of optimizer updates."""
@@ -263,6 +276,8 @@ class TrainingConfig:
     """Compile the step on abstract inputs, log the memory plan, write plan.json and stop."""
     compilation_cache_dir: str | None = AUTO_CACHE
     """JAX's persistent compilation cache: auto ($JAX_COMPILATION_CACHE_DIR, else <cache root>/jax), a directory, or null (off); CLI only."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Pipeline schedule and micro-batches; used when model.mesh_shape has a pp axis of size > 1."""
     xla_gpu_flags: bool = True
     """On GPU, add meshtrain's default XLA flags (docs/performance.md) that XLA_FLAGS does not set already; CLI only."""
 

@@ -23,6 +23,7 @@ from meshtrain.config.schema import (
     MixedPrecision,
     ModelConfig,
     NonfiniteMode,
+    PipelineSchedule,
     ReduceDtype,
     RematPolicy,
     ResumeMode,
@@ -147,6 +148,9 @@ def check_config(cfg: Config) -> None:
     _one_of("training.nonfinite", training.nonfinite, choices(NonfiniteMode))
     _one_of("training.reduce_dtype", training.reduce_dtype, choices(ReduceDtype))
     _positive("training.sync_gradients_every", training.sync_gradients_every)
+    _one_of("training.pipeline.schedule", training.pipeline.schedule, choices(PipelineSchedule))
+    if training.pipeline.microbatches is not None:
+        _positive("training.pipeline.microbatches", training.pipeline.microbatches)
     accum = training.gradient_accumulation_steps
     if accum % training.sync_gradients_every:
         valid = ", ".join(str(k) for k in range(1, accum + 1) if accum % k == 0)
@@ -286,6 +290,56 @@ def check_against_mesh(cfg: Config, mesh: MeshSpec) -> None:
                 f"training.gradient_accumulation_steps={training.gradient_accumulation_steps} = {per_update}; "
                 f"use a multiple of {per_update}, e.g. {per_update * max(1, training.global_batch_size // per_update)}"
             )
+    if mesh.sizes["pp"] > 1:
+        _check_pipeline(cfg, mesh)
+
+
+def _check_pipeline(cfg: Config, mesh: MeshSpec) -> None:
+    """A pp axis: stacked blocks that split into equal stages, and pipeline micro-batches that
+    split each micro-batch into whole batch shards."""
+    model, pipeline = cfg.model, cfg.training.pipeline
+    stages = mesh.sizes["pp"]
+    _require(
+        model.scan_layers,
+        f"model.mesh_shape has pp={stages}: pipeline stages hold slices of the stacked blocks; "
+        "add model.scan_layers=true",
+    )
+    _require(
+        mesh_axes_for("layers", model.logical_axis_rules) == ("pp",),
+        f"model.logical_axis_rules.layers={model.logical_axis_rules.get('layers')!r} with "
+        f"pp={stages} in model.mesh_shape: each stage holds its own layers; set "
+        "model.logical_axis_rules.layers=pp",
+    )
+    if model.num_layers % stages:
+        options = ", ".join(
+            str(d) for d in range(1, model.num_layers + 1) if model.num_layers % d == 0
+        )
+        raise ConfigError(
+            f"pp={stages} in model.mesh_shape does not split model.num_layers={model.num_layers} "
+            f"into equal stages; use pp in {{{options}}}"
+        )
+    shards = mesh.size(*mesh_axes_for("batch", model.logical_axis_rules))
+    rows = micro_batch_size(cfg, mesh) * shards
+    count = pipeline_microbatches(cfg, mesh)
+    if rows % count or (rows // count) % shards:
+        options = ", ".join(
+            str(m) for m in range(1, rows + 1) if rows % m == 0 and (rows // m) % shards == 0
+        )
+        raise ConfigError(
+            f"training.pipeline.microbatches={count} does not split the micro-batch of {rows} "
+            f"sequences into whole batch shards ({shards} per pipeline micro-batch); use one of "
+            f"{options}"
+        )
+    _require(
+        pipeline.schedule != "1f1b" or count >= stages,
+        f"training.pipeline.microbatches={count} is fewer than the pp={stages} stages; "
+        f"1f1b needs at least {stages}: use training.pipeline.microbatches={2 * stages}",
+    )
+
+
+def pipeline_microbatches(cfg: Config, mesh: MeshSpec) -> int:
+    """Pipeline micro-batches per micro-batch: training.pipeline.microbatches, else pp."""
+    return cfg.training.pipeline.microbatches or mesh.sizes["pp"]
 
 
 def check_model_on_mesh(model: ModelConfig, mesh: MeshSpec) -> None:

@@ -303,10 +303,33 @@ class Transformer(nnx.Module):
             return x
 
         graphdef, stacked = nnx.split(self.blocks)
+        kinds = jnp.asarray(kind_index, jnp.int32)
+        return self.scan_blocks(graphdef, stacked, x, per_kind, kinds, kernel, segment_ids)
+
+    def scan_blocks(
+        self,
+        graphdef: nnx.GraphDef,
+        stacked: nnx.State,
+        x: jax.Array,
+        per_kind: list,
+        kinds: jax.Array,
+        kernel: AttentionKernel,
+        segment_ids: jax.Array | None,
+    ) -> jax.Array:
+        """Runs stacked blocks in a lax.scan: `stacked` is the state of scan_layers' `blocks`
+        (or a slice of its layers: a pipeline stage's), kinds int32 [layers] the index in
+        per_kind of each layer's kind; x [B, T, D] → [B, T, D]."""
+        policy = REMAT_POLICIES[self.remat]
 
         def layer(x: jax.Array, params_and_kind) -> tuple[jax.Array, None]:
             params, kind = params_and_kind
-            block = lambda k: lambda x: run(nnx.merge(graphdef, params), x, k)  # noqa: E731
+
+            def block(k: int):
+                sin, cos, window = per_kind[k]
+                return lambda x: nnx.merge(graphdef, params)(
+                    x, sin, cos, kernel=kernel, window=window, segment_ids=segment_ids
+                )
+
             if len(per_kind) == 1:
                 return block(0)(x), None
             # Each kind's window and RoPE are static inside its branch (the kernels slice
@@ -315,7 +338,7 @@ class Transformer(nnx.Module):
 
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, (stacked, jnp.asarray(kind_index, jnp.int32)))
+        x, _ = jax.lax.scan(layer, x, (stacked, kinds))
         return x
 
 

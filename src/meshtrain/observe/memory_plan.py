@@ -91,6 +91,9 @@ class MemoryPlan:
     # each device sums micro-batches in, whole along fsdp (the parameters of one replica over
     # tp); within the temporaries. 0 when gradients are reduced as they are computed.
     unsharded_grad_bytes: int = 0
+    # With a pp axis: stages, microbatches, schedule, bubble and microbatches_alive (the
+    # pipeline micro-batches whose activations a stage keeps at once), train.pipeline's.
+    pipeline: dict[str, Any] | None = None
 
     @property
     def replicated_kv_extra_bytes(self) -> int:
@@ -167,6 +170,13 @@ class MemoryPlan:
                 "(summed whole along fsdp between reductions: training.sync_gradients_every, "
                 "reduce_dtype; within the temporaries)"
             )
+        if self.pipeline:
+            pipe = self.pipeline
+            lines.append(
+                f"  pipeline            {pipe['stages']} stages × {pipe['microbatches']} "
+                f"micro-batches, {pipe['schedule']}: bubble {pipe['bubble']:.1%}, activations of "
+                f"{pipe['microbatches_alive']} micro-batch(es) per stage (in the temporaries)"
+            )
         lines += [
             f"  activations + temps {format_bytes(self.activation_bytes):>12}   (XLA memory_analysis)",
             f"  total               {format_bytes(self.total_bytes):>12}   "
@@ -225,11 +235,12 @@ def memory_plan(
     scan_layers: bool = False,
     replicated_kv_over: int = 1,
     unsharded_grad_axes: tuple[str, ...] = (),
+    pipeline: dict[str, Any] | None = None,
 ) -> MemoryPlan:
     """The plan of a compiled train step whose state has these shapes and shardings;
     `replicated_kv_over`: the tp ranks that hold the key/value projections whole (1: split);
     `unsharded_grad_axes`: the mesh axes gradients are summed whole along before they are
-    reduced (train.gradients), if any."""
+    reduced (train.gradients), if any; `pipeline`: the pp schedule's numbers, if any."""
     analysis = compiled.memory_analysis()
     params = bytes_per_device(abstract_state.params, state_shardings.params)
     replicated_kv = 0
@@ -256,4 +267,5 @@ def memory_plan(
         unsharded_grad_bytes=unsharded_grad_bytes(
             abstract_state.params, state_shardings.params, unsharded_grad_axes
         ),
+        pipeline=pipeline,
     )

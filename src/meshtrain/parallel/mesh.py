@@ -20,9 +20,8 @@ from jax.sharding import AxisType, Mesh
 
 from meshtrain.errors import ConfigError
 
-# Outermost to innermost. `pp` (pipeline stages) will slot in between dp and fsdp.
-MESH_AXES: tuple[str, ...] = ("dp", "fsdp", "tp")
-RESERVED_AXES: dict[str, str] = {"pp": "pipeline parallelism is not supported yet"}
+# Outermost to innermost: replicas, pipeline stages, parameter shards, tensor parallel.
+MESH_AXES: tuple[str, ...] = ("dp", "pp", "fsdp", "tp")
 
 
 @dataclass(frozen=True)
@@ -84,11 +83,6 @@ def parse_mesh_shape(mesh_shape: Any, num_devices: int) -> MeshSpec:
             f"give one size per name, e.g. {format_mesh_shape([num_devices, 1], ['fsdp', 'tp'])}"
         )
     for name in names:
-        if name in RESERVED_AXES:
-            raise ConfigError(
-                f"model.mesh_shape {shown}: axis '{name}' is reserved ({RESERVED_AXES[name]}); "
-                f"use the axes {', '.join(MESH_AXES)}"
-            )
         if name not in MESH_AXES:
             raise ConfigError(
                 f"model.mesh_shape {shown}: unknown axis '{name}'; "
@@ -149,12 +143,12 @@ def build_mesh(
 def devices_by_host(
     spec: MeshSpec, devices: Sequence[jax.Device], hosts: Sequence[str]
 ) -> np.ndarray:
-    """Devices as an array of shape spec.shape ([dp, fsdp, tp]): host after host, within a host
-    process after process, in row-major order.
+    """Devices as an array of shape spec.shape ([dp, pp, fsdp, tp]): host after host, within a
+    host process after process, in row-major order.
 
     `hosts[p]` names the machine of process p. So each tp group (innermost) lies on one host, on
-    its fast links, while fsdp and dp span hosts; and each process holds one contiguous block of
-    the batch (dp × fsdp) positions, which it reads itself.
+    its fast links, while fsdp, pp and dp span hosts; and each process holds one contiguous block
+    of the batch (dp × fsdp) positions of its pipeline stage, which it reads itself.
     """
     first_seen = {host: rank for rank, host in reversed(list(enumerate(hosts)))}
     per_host = Counter(hosts[d.process_index] for d in devices)

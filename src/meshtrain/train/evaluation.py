@@ -40,6 +40,7 @@ def make_evaluator(setup: Setup, shardings: TrainState) -> Callable[[Any], float
         pad_id=setup.validation_data.pad_id,
         mixed_precision=cfg.training.mixed_precision,
         documents=setup.documents,
+        pipeline=setup.pipeline,
     )
 
     def evaluate(params: Any) -> float:

@@ -66,6 +66,8 @@ def gradient_sync(training: TrainingConfig, mesh: jax.sharding.Mesh, rules: Rule
     """The reduction plan of a run: which batch axes (of size > 1) are reduced explicitly."""
     reduce_dtype = REDUCE_DTYPES[training.reduce_dtype]
     batch_axes = [a for a in mesh_axes_for("batch", rules) if mesh.shape.get(a, 1) > 1]
+    if mesh.shape.get("pp", 1) > 1:  # the pipeline's shard_map is not vmapped: implicit path
+        batch_axes = []
     replicas = tuple(a for a in batch_axes if a in REPLICA_AXES)
     shards = tuple(a for a in batch_axes if a not in REPLICA_AXES)
     explicit_shards = training.sync_gradients_every > 1 or reduce_dtype != jnp.float32

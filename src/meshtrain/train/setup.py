@@ -39,6 +39,7 @@ from meshtrain.parallel.rules import logical_to_spec
 from meshtrain.train.documents import DocumentBoundaries, document_boundaries
 from meshtrain.train.gradients import gradient_sync
 from meshtrain.train.optimizer import learning_rate_schedule
+from meshtrain.train.pipeline import PipelinePlan, pipeline_plan
 from meshtrain.train.state import TrainState, abstract_train_state
 from meshtrain.train.step import make_train_step
 from meshtrain.units import format_flops
@@ -58,6 +59,7 @@ class Setup:
     train_data: TokenDataset | None  # None in a dry run, which reads no data
     validation_data: TokenDataset | None
     documents: DocumentBoundaries | None  # where attention is masked (data.document_masking)
+    pipeline: PipelinePlan | None = None  # the pp stages' schedule (train.pipeline)
 
     @property
     def batch_shards(self) -> int:
@@ -114,12 +116,13 @@ def prepare(
     mesh = build_mesh(mesh_spec, devices, hosts=process_hosts())
     model = abstract_model(cfg.model, mesh, mesh_spec)  # shapes only: allocates nothing
     micro = micro_batch_size(cfg, mesh_spec)
+    pipeline = pipeline_plan(cfg, mesh_spec)
     try:
         documents = document_boundaries(cfg.data)
     except ValueError as err:
         raise _data_error(err) from None
     if not with_data:
-        return Setup(cfg, mesh_spec, mesh, model, micro, None, None, documents)
+        return Setup(cfg, mesh_spec, mesh, model, micro, None, None, documents, pipeline)
     with phase(log, f"reading the data ({cfg.data.source})", "read the data"):
         train_data, validation_data = _build_data(cfg)
         if len(train_data) == 0:
@@ -129,7 +132,9 @@ def prepare(
             )
     if validation_data is not None and len(validation_data) == 0:
         validation_data = None
-    return Setup(cfg, mesh_spec, mesh, model, micro, train_data, validation_data, documents)
+    return Setup(
+        cfg, mesh_spec, mesh, model, micro, train_data, validation_data, documents, pipeline
+    )
 
 
 def describe(setup: Setup) -> None:
@@ -145,6 +150,8 @@ def describe(setup: Setup) -> None:
         jax.process_count(),
     )
     log.info("model %s: %s parameters", cfg.model.name, f"{num_params:,}")
+    if setup.pipeline is not None:
+        log.info(setup.pipeline.describe())
     kv_note = replicated_kv_heads(cfg.model, setup.mesh_spec)
     if kv_note:
         log.info(kv_note)
@@ -190,6 +197,7 @@ def compile_train_step(
         pad_id=pad_id,
         training=cfg.training,
         documents=setup.documents,
+        pipeline=setup.pipeline,
     )
     abstract_batch = jax.ShapeDtypeStruct(setup.batch_shape, np.int32, sharding=batch_sharding)
     with phase(log, "compiling the train step", "compiled the train step"):
@@ -230,6 +238,7 @@ def inspect_compiled(
         unsharded_grad_axes=gradient_sync(
             cfg.training, setup.mesh, cfg.model.logical_axis_rules
         ).shards,
+        pipeline=None if setup.pipeline is None else setup.pipeline.to_json(),
     )
     lines = plan.format()
     if cfg.training.profile_communication:

@@ -4,14 +4,13 @@ Batches are int32 [accum, micro_global, seq_len + 1]: inputs are tokens[..., :-1
 tokens[..., 1:]. The loss is the mean over all target tokens of the update that are not padding,
 so accumulating 4 micro-batches of 2 equals one micro-batch of 8. How the micro-batches'
 gradients are summed and reduced over the batch axes is train.gradients'. The loss fuses the
-model's output projection with the cross-entropy (`output_cross_entropy`): no [B, T, V]
+model's output projection with the cross-entropy (train.loss): no [B, T, V]
 log-probabilities, nor logits kept for the backward pass.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +21,7 @@ import optax
 from meshtrain.config.schema import MixedPrecision, TrainingConfig
 from meshtrain.models.abstract import AbstractModel, merge_model, without_mesh_axes
 from meshtrain.models.attention import select_attention
-from meshtrain.parallel.rules import constrain, mesh_axes_for
+from meshtrain.parallel.rules import constrain
 from meshtrain.train.documents import DocumentBoundaries
 from meshtrain.train.gradients import (
     LossAndGrads,
@@ -31,167 +30,13 @@ from meshtrain.train.gradients import (
     implicit_accumulate,
 )
 from meshtrain.train.guard import guard_update
+from meshtrain.train.loss import output_cross_entropy
+from meshtrain.train.pipeline import PipelinePlan, gpipe_hidden, loss_rules, one_f_one_b
 from meshtrain.train.state import TrainState
 
 log = logging.getLogger(__name__)
 
 COMPUTE_DTYPES: dict[MixedPrecision, jnp.dtype] = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
-
-
-# Tokens per device in one chunk of the fused output projection + cross-entropy: the fp32
-# logits of a chunk are [rows, V] (W1, V=32000: 64 MB), never those of the whole batch.
-LOSS_CHUNK_ROWS = 512
-
-
-def _batch_shards(batch: int, rules: Any) -> int:
-    """Devices the batch is split over in the current mesh (1 outside a mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return 1
-    shards = math.prod(mesh.shape[a] for a in mesh_axes_for("batch", rules) if a in mesh.shape)
-    return shards if batch % shards == 0 else 1
-
-
-def _vocab_parallel_rules(batch: int, length: int, vocab: int, rules: Any) -> Any | None:
-    """Rules under which the loss keeps the output weight where it is and moves tokens instead,
-    or None when gathering the weight is cheaper.
-
-    By default the weight [V, D] is gathered over the batch axes (fsdp, dp) for the logits and
-    its gradient reduced over them: V·D elements each way. When the global micro-batch holds
-    fewer tokens than the vocabulary has rows, it is cheaper to gather the tokens (B·T·D) and
-    split the vocabulary over the batch axes as well as its own: each device then computes the
-    logits of every token for V / (all those axes) rows, its weight gradient needs no reduction,
-    and dx is reduced back to the token shards (B·T·D). The result is the same sum.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return None
-    batch_axes = [a for a in mesh_axes_for("batch", rules) if mesh.shape.get(a, 1) > 1]
-    vocab_axes = [a for a in mesh_axes_for("vocab", rules) if mesh.shape.get(a, 1) > 1]
-    split = math.prod(mesh.shape[a] for a in (*batch_axes, *vocab_axes))
-    if _batch_shards(batch, rules) == 1 or batch * length >= vocab or vocab % split:
-        return None
-    return {**rules, "batch": None, "vocab": [*vocab_axes, *batch_axes]}
-
-
-def output_cross_entropy(
-    x: jax.Array,
-    weight: jax.Array,
-    layout: str,
-    targets: jax.Array,
-    mask: jax.Array,
-    *,
-    rules: Any,
-    chunk_rows: int | None = None,
-) -> jax.Array:
-    """Summed cross-entropy of the output projection, fused: x [B, T, D] (final-normed hidden
-    states), weight [V, D] (layout "VD", tied) or [D, V] ("DV"), targets int32 [B, T], mask [B, T]
-    (1: counted) → fp32 []. Equals -sum(mask · log_softmax(x · weight)[targets]) in fp32.
-
-    The sequence is cut into chunks of about `chunk_rows` (default LOSS_CHUNK_ROWS) tokens per
-    device. For each chunk the
-    logits are computed in the compute dtype, then in fp32 their log-sum-exp, the target's logit
-    and, when differentiated, the gradient softmax - onehot, which goes straight into the
-    chunk's dx and into dW. No [B, T, V] array is kept for the backward pass (only dx and dW
-    are), and no log-probabilities are materialised. dW is summed over the chunks per batch
-    shard ([shards, D, V], no collective inside the loop); the one reduction over the batch
-    shards follows the loop, as in the unfused backward pass. When the micro-batch has fewer
-    tokens than the vocabulary, the tokens move instead of the weight (_vocab_parallel_rules).
-    """
-    batch, length, _ = x.shape
-    vocab = weight.shape[0 if layout == "VD" else 1]
-    # `inner`: the shardings inside the chunk loop; dx and dW leave it in those of `rules`.
-    vocab_parallel = _vocab_parallel_rules(batch, length, vocab, rules)
-    inner = vocab_parallel or rules
-    shards = 1 if vocab_parallel else _batch_shards(batch, rules)
-    chunk_rows = LOSS_CHUNK_ROWS if chunk_rows is None else chunk_rows
-    per_chunk = max(1, chunk_rows // max(1, batch // shards))
-    num_chunks = -(-length // per_chunk)
-    chunk = -(-length // num_chunks)
-    padded = num_chunks * chunk
-    weight_axes = ("vocab", "embed") if layout == "VD" else ("embed", "vocab")
-    gathered_axes = ("vocab", None) if layout == "VD" else (None, "vocab")
-    partial_spec = "SVD" if layout == "VD" else "SDV"
-    partial_axes = ("batch", "vocab", None) if layout == "VD" else ("batch", None, "vocab")
-    mask = mask.astype(jnp.float32)
-
-    def split(a: jax.Array) -> jax.Array:  # [B, T, ...] → [chunks, B, chunk, ...]
-        if padded != length:
-            pad = [(0, 0), (0, padded - length)] + [(0, 0)] * (a.ndim - 2)
-            a = jnp.pad(a, pad)  # padded targets count 0: no loss, no gradient
-        return jnp.moveaxis(a.reshape(batch, num_chunks, chunk, *a.shape[2:]), 1, 0)
-
-    def chunk_loss(weight, xc, tc, mc, grads: bool):
-        logits = jnp.einsum(f"BTD,{layout}->BTV", xc, weight)
-        logits = constrain(logits, ("batch", "length", "vocab"), inner).astype(jnp.float32)
-        top = jnp.max(logits, axis=-1, keepdims=True)
-        # log-sum-exp [B, c, 1]; exp(logits - top) is fused into the sum, never stored.
-        lse = top + jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
-        # A gather reads B·c logits (an iota == target select would write all B·c·V).
-        target_logit = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
-        loss = jnp.sum((lse[..., 0] - target_logit) * mc, axis=-1)  # [B]: summed at the end
-        if not grads:
-            return loss, None, None
-        # d loss / d logits = softmax - onehot, in one elementwise pass over the logits.
-        onehot = jnp.arange(vocab, dtype=tc.dtype) == tc[..., None]  # [B, c, V]
-        dlogits = ((jnp.exp(logits - lse) - onehot) * mc[..., None]).astype(weight.dtype)
-        dx = jnp.einsum(f"BTV,{layout}->BTD", dlogits, weight)
-        dx = constrain(dx, ("batch", "length", None), inner)
-        rows = (shards, batch // shards, chunk)
-        dweight = jnp.einsum(
-            f"SBTD,SBTV->{partial_spec}",
-            xc.reshape(*rows, xc.shape[-1]),
-            dlogits.reshape(*rows, vocab),
-            preferred_element_type=jnp.float32,
-        )
-        return loss, dx, constrain(dweight, partial_axes, inner)
-
-    def run(x, weight, targets, mask, grads: bool):
-        # Gathered over fsdp once, before the chunks (each would otherwise gather it again);
-        # vocabulary-parallel, the tokens are gathered instead and the weight only re-split.
-        weight = constrain(weight, gathered_axes, inner)
-        if vocab_parallel:
-            x, targets, mask = (
-                constrain(a, ("batch", "length", None)[: a.ndim], inner) for a in (x, targets, mask)
-            )
-        xs, ts, ms = split(x), split(targets), split(mask)
-        # The first chunk starts the sums (no zero-filled [shards, D, V] buffer); a scan runs
-        # the others.
-        loss, dx, dweight = chunk_loss(weight, xs[0], ts[0], ms[0], grads)
-        dxs = None if dx is None else dx[None]
-        if num_chunks > 1:
-
-            def body(carry, inputs):
-                loss_sum, dweight_sum = carry
-                loss, dx, dweight = chunk_loss(weight, *inputs, grads)
-                if grads:
-                    dweight_sum = dweight_sum + dweight
-                return (loss_sum + loss, dweight_sum), dx
-
-            (loss, dweight), rest = jax.lax.scan(body, (loss, dweight), (xs[1:], ts[1:], ms[1:]))
-            if grads:
-                dxs = jnp.concatenate([dxs, rest])
-        loss = jnp.sum(loss)
-        if not grads:
-            return loss, None
-        dx = jnp.moveaxis(dxs, 0, 1).reshape(batch, padded, -1)[:, :length]
-        dx = constrain(dx, ("batch", "length", None), rules)
-        dweight = constrain(jnp.sum(dweight, axis=0).astype(weight.dtype), weight_axes, rules)
-        return loss, (dx, dweight)
-
-    @jax.custom_vjp
-    def fused(x, weight, targets, mask):
-        return run(x, weight, targets, mask, grads=False)[0]
-
-    def fused_fwd(x, weight, targets, mask):
-        return run(x, weight, targets, mask, grads=True)
-
-    def fused_bwd(grads, g):
-        dx, dweight = grads
-        return (g * dx).astype(dx.dtype), (g * dweight).astype(dweight.dtype), None, None
-
-    fused.defvjp(fused_fwd, fused_bwd)
-    return fused(x, weight, targets, mask)
 
 
 def cast_params(model: AbstractModel, params: Any, compute_dtype: jnp.dtype) -> Any:
@@ -215,20 +60,88 @@ def token_loss_sum(
     pad_id: int,
     compute_dtype: jnp.dtype,
     documents: DocumentBoundaries | None = None,
+    pipeline: PipelinePlan | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Summed cross-entropy over non-pad targets, and their count. tokens: [B, seq_len + 1].
 
     With `documents` (data.document_masking), a token attends only to the earlier tokens of its
-    own packed document, at positions that restart with each document."""
+    own packed document, at positions that restart with each document. With `pipeline`, the
+    blocks run as its schedule's forward over the pp stages (train.pipeline)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [B, T] each
     compute_params = cast_params(model, params, compute_dtype)
     net = merge_model(model, compute_params)
     mask = (targets != pad_id).astype(jnp.float32)  # [B, T]
     segment_ids, positions = documents.segments(inputs) if documents else (None, None)
-    hidden = net.hidden(inputs, positions, segment_ids)
-    weight, layout = net.output_weight()
-    loss = output_cross_entropy(hidden, weight, layout, targets, mask, rules=net.rules)
+    if pipeline is None:
+        hidden = net.hidden(inputs, positions, segment_ids)
+        weight, layout = net.output_weight()
+        loss = output_cross_entropy(hidden, weight, layout, targets, mask, rules=net.rules)
+        return loss, jnp.sum(mask)
+    x = net.embed_tokens(inputs)
+    kernel, _ = net.attention_kernel(x.dtype)
+    positions = _positions(inputs) if positions is None else positions
+    hidden = gpipe_hidden(net, x, positions, segment_ids, pipeline, kernel)
+    rules = loss_rules(net.rules, pipeline)
+    loss = _head_loss(
+        net, constrain(hidden, ("batch", "length", None), rules), targets, mask, rules
+    )
     return loss, jnp.sum(mask)
+
+
+def _positions(inputs: jax.Array) -> jax.Array:
+    """0 … T-1 in every row of inputs [B, T]."""
+    return jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+
+
+def _head_loss(
+    net: Any, hidden: jax.Array, targets: jax.Array, mask: jax.Array, rules: Any
+) -> jax.Array:
+    """The final norm, the output projection and the summed cross-entropy of hidden [B, T, D]."""
+    weight, layout = net.output_weight()
+    return output_cross_entropy(net.final_norm(hidden), weight, layout, targets, mask, rules=rules)
+
+
+def one_f_one_b_loss_and_grads(
+    model: AbstractModel,
+    params: Any,
+    tokens: jax.Array,
+    *,
+    pad_id: int,
+    compute_dtype: jnp.dtype,
+    pipeline: PipelinePlan,
+    documents: DocumentBoundaries | None = None,
+) -> tuple[tuple[jax.Array, jax.Array], Any]:
+    """((summed loss, token count), gradients) of token_loss_sum under the 1f1b schedule,
+    which computes the gradients itself (train.pipeline.one_f_one_b)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    compute_params = cast_params(model, params, compute_dtype)
+    net = merge_model(model, compute_params)
+    mask = (targets != pad_id).astype(jnp.float32)
+    segment_ids, positions = documents.segments(inputs) if documents else (None, None)
+    positions = _positions(inputs) if positions is None else positions
+    blocks = compute_params["blocks"]
+
+    def with_outer(outer: Any) -> Any:
+        return merge_model(model, {**outer, "blocks": blocks})
+
+    def head_loss(outer, hidden, targets, mask):
+        return _head_loss(with_outer(outer), hidden, targets, mask, net.rules)
+
+    kernel, _ = net.attention_kernel(compute_dtype)
+    loss, grads = one_f_one_b(
+        net,
+        compute_params,
+        lambda outer: with_outer(outer).embed_tokens(inputs),
+        head_loss,
+        targets,
+        mask,
+        positions,
+        segment_ids,
+        pipeline,
+        kernel,
+    )
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    return (loss, jnp.sum(mask)), grads
 
 
 def log_attention(model: AbstractModel, compute_dtype: jnp.dtype) -> None:
@@ -251,6 +164,7 @@ def make_train_step(
     pad_id: int,
     training: TrainingConfig,
     documents: DocumentBoundaries | None = None,
+    pipeline: PipelinePlan | None = None,
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """The compiled update: (state, batch) → (new state, metrics), with the state donated.
 
@@ -266,6 +180,16 @@ def make_train_step(
     mesh = jax.tree.leaves(param_shardings)[0].mesh
 
     def loss_and_grads(model: AbstractModel) -> LossAndGrads:
+        if pipeline is not None and pipeline.schedule == "1f1b":
+            return lambda params, tokens: one_f_one_b_loss_and_grads(
+                model,
+                params,
+                tokens,
+                pad_id=pad_id,
+                compute_dtype=compute_dtype,
+                pipeline=pipeline,
+                documents=documents,
+            )
         return jax.value_and_grad(
             lambda params, tokens: token_loss_sum(
                 model,
@@ -274,6 +198,7 @@ def make_train_step(
                 pad_id=pad_id,
                 compute_dtype=compute_dtype,
                 documents=documents,
+                pipeline=pipeline,
             ),
             has_aux=True,
         )
@@ -325,13 +250,20 @@ def make_eval_step(
     pad_id: int,
     mixed_precision: str,
     documents: DocumentBoundaries | None = None,
+    pipeline: PipelinePlan | None = None,
 ) -> Callable[[Any, jax.Array], tuple[jax.Array, jax.Array]]:
     """Compiled (params, batch [B, seq_len + 1]) → (summed loss, token count)."""
     compute_dtype = COMPUTE_DTYPES[mixed_precision]
 
     def evaluate(params: Any, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
         return token_loss_sum(
-            model, params, batch, pad_id=pad_id, compute_dtype=compute_dtype, documents=documents
+            model,
+            params,
+            batch,
+            pad_id=pad_id,
+            compute_dtype=compute_dtype,
+            documents=documents,
+            pipeline=pipeline,
         )
 
     return jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding))

@@ -1,0 +1,341 @@
+"""Pipeline parallelism over the `pp` mesh axis: the stacked blocks split into stages, the
+micro-batch split into pipeline micro-batches that flow through them.
+
+Stage s holds layers [s·L/S, (s+1)·L/S) of the stacked blocks (model.scan_layers): their first
+axis is split over `pp` (logical axis `layers`), so a stage's parameters and optimizer state
+live on that stage's devices only, and the saved layout is the one without pp. Within a stage,
+fsdp, tp and dp shard as everywhere else. The embedding, the final norm and the output head are
+not split over pp: every stage holds them (sharded over fsdp and tp as usual); the loss of the
+pipeline micro-batches is computed with its rows split over pp as well (`loss_rules`).
+
+The stages run inside one `jax.shard_map` that is manual over `pp` only. Each tick, every stage
+runs its layers on the activations it holds, then `jax.lax.ppermute` hands them to the next
+stage (collective-permutes on the pp axis). Schedules (training.pipeline.schedule):
+
+- **gpipe**: the forwards of all M pipeline micro-batches, M + S - 1 ticks; the backward pass is
+  JAX's transpose of that loop, so the activations of all M micro-batches are kept.
+- **1f1b**: one forward and one backward per tick (a stage idles where it has neither), the
+  backward of a micro-batch starting at the last stage right after its forward: a stage keeps
+  the inputs of at most 2S - 1 micro-batches, whatever M is, and recomputes its forward in the
+  backward (jax.vjp), as model.remat=full would.
+
+Both have the bubble (S - 1) / (M + S - 1) of the ticks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from meshtrain.config.schema import Config
+from meshtrain.config.validate import pipeline_microbatches
+from meshtrain.models.attention import AttentionKernel
+from meshtrain.models.transformer import Transformer
+from meshtrain.parallel.mesh import MeshSpec
+from meshtrain.parallel.rules import Rules, mesh_axes_for
+
+AXIS = "pp"
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """S stages, M pipeline micro-batches per micro-batch, and the schedule that runs them."""
+
+    stages: int
+    microbatches: int
+    schedule: str  # PipelineSchedule
+
+    @property
+    def ticks(self) -> int:
+        """Forward ticks (gpipe) or forward-and-backward ticks (1f1b): M + S - 1, resp. M + 2S - 2."""
+        extra = 2 * (self.stages - 1) if self.schedule == "1f1b" else self.stages - 1
+        return self.microbatches + extra
+
+    @property
+    def bubble(self) -> float:
+        """Share of a stage's time spent idle, by the formula: (S - 1) / (M + S - 1)."""
+        return (self.stages - 1) / (self.microbatches + self.stages - 1)
+
+    @property
+    def microbatches_alive(self) -> int:
+        """Pipeline micro-batches whose activations a stage holds at once, at most: gpipe keeps
+        every one for the backward pass; 1f1b the inputs of those between forward and backward."""
+        if self.schedule == "1f1b":
+            return min(self.microbatches, 2 * self.stages - 1)
+        return self.microbatches
+
+    def to_json(self) -> dict[str, Any]:
+        """plan.json's `pipeline` entry."""
+        return {
+            "stages": self.stages,
+            "microbatches": self.microbatches,
+            "schedule": self.schedule,
+            "bubble": self.bubble,
+            "microbatches_alive": self.microbatches_alive,
+        }
+
+    def describe(self) -> str:
+        return (
+            f"pipeline: {self.stages} stages, {self.microbatches} micro-batches, {self.schedule}: "
+            f"bubble {self.bubble:.1%} ((S-1)/(M+S-1)), activations of "
+            f"{self.microbatches_alive} micro-batch(es) alive per stage"
+        )
+
+
+def pipeline_plan(cfg: Config, mesh: MeshSpec) -> PipelinePlan | None:
+    """The run's pipeline, or None without a pp axis of size > 1."""
+    if mesh.sizes["pp"] == 1:
+        return None
+    return PipelinePlan(
+        mesh.sizes["pp"], pipeline_microbatches(cfg, mesh), cfg.training.pipeline.schedule
+    )
+
+
+def loss_rules(rules: Rules, plan: PipelinePlan) -> Rules:
+    """The rules of the loss after the stages: its rows split over pp too where the pipeline
+    micro-batches divide over the stages (each stage then computes the loss of M / S of them),
+    else as `rules` (every stage computes all of it)."""
+    if plan.microbatches % plan.stages:
+        return rules
+    return {**rules, "batch": [AXIS, *mesh_axes_for("batch", rules)]}
+
+
+def _to_next_stage(x: jax.Array, stages: int) -> jax.Array:
+    return jax.lax.ppermute(x, AXIS, [(s, (s + 1) % stages) for s in range(stages)])
+
+
+def _to_previous_stage(x: jax.Array, stages: int) -> jax.Array:
+    return jax.lax.ppermute(x, AXIS, [((s + 1) % stages, s) for s in range(stages)])
+
+
+def _stage_runner(net: Transformer, kernel: AttentionKernel) -> Callable[..., jax.Array]:
+    """(stage's stacked block state, its kinds [L/S], x [b, T, D], positions [b, T],
+    segment_ids [b, T] or None) → x after the stage's layers."""
+    graphdef = nnx.graphdef(net.blocks)
+
+    def run(stacked: Any, kinds: jax.Array, x: jax.Array, positions, segment_ids) -> jax.Array:
+        per_kind = net.rope_per_kind(positions)
+        return net.scan_blocks(graphdef, stacked, x, per_kind, kinds, kernel, segment_ids)
+
+    return run
+
+
+def _varying(tree: Any) -> Any:
+    """`tree` typed as differing between stages (a loop carry that becomes stage-local). Cast
+    in fp32: the transpose of the cast is a sum over pp, and XLA's CPU compiler aborts on a
+    bf16 one ("Invalid binary instruction opcode copy")."""
+
+    def cast(a: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(a.dtype, jnp.floating) or a.dtype.itemsize >= 4:
+            return jax.lax.pcast(a, (AXIS,), to="varying")
+        return jax.lax.pcast(a.astype(jnp.float32), (AXIS,), to="varying").astype(a.dtype)
+
+    return jax.tree.map(cast, tree)
+
+
+def _split(a: jax.Array | None, count: int) -> jax.Array | None:
+    """[B, ...] → [count, B / count, ...]: pipeline micro-batch i is rows [i·b, (i+1)·b)."""
+    return None if a is None else a.reshape(count, a.shape[0] // count, *a.shape[1:])
+
+
+def _microbatch(a: jax.Array | None, index: jax.Array) -> jax.Array | None:
+    return None if a is None else jax.lax.dynamic_index_in_dim(a, index, keepdims=False)
+
+
+def gpipe_hidden(
+    net: Transformer,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    plan: PipelinePlan,
+    kernel: AttentionKernel,
+) -> jax.Array:
+    """The blocks of `net` run as a GPipe pipeline: x [B, T, D] (embedded) → [B, T, D] (before
+    the final norm), positions and segment_ids int32 [B, T] (segment_ids may be None).
+
+    The result's rows are split over pp (each stage receives M / S pipeline micro-batches by a
+    reduce-scatter) where M divides over the stages, else every stage holds all of them."""
+    stages, count = plan.stages, plan.microbatches
+    scatter = count % stages == 0
+    run_stage = _stage_runner(net, kernel)
+    stacked = nnx.state(net.blocks)
+    kinds = jnp.asarray(net.kind_index, jnp.int32)
+
+    def body(stacked, kinds, xs, positions, segment_ids):
+        stage = jax.lax.axis_index(AXIS)
+        xs = _varying(xs)  # read by stage 0 only; explicit, for the fp32 sum of its transpose
+
+        def tick(carry, t):
+            held, outputs = carry
+            index = jnp.clip(t - stage, 0, count - 1)  # the micro-batch this stage works on
+            held = jnp.where(stage == 0, _microbatch(xs, index), held)
+            y = run_stage(
+                stacked, kinds, held, _microbatch(positions, index), _microbatch(segment_ids, index)
+            )
+            done = t - (stages - 1)  # the micro-batch leaving the last stage
+            slot = jnp.clip(done, 0, count - 1)
+            keep = (stage == stages - 1) & (done >= 0)
+            kept = jnp.where(keep, y, jax.lax.dynamic_index_in_dim(outputs, slot, keepdims=False))
+            outputs = jax.lax.dynamic_update_index_in_dim(outputs, kept, slot, 0)
+            return (_to_next_stage(y, stages), outputs), None
+
+        start = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs))  # stage-local, as xs is
+        (_, outputs), _ = jax.lax.scan(tick, start, jnp.arange(count + stages - 1))
+        # Summed in fp32: XLA's CPU compiler aborts on a bf16 reduction over pp.
+        outputs = outputs.astype(jnp.float32)
+        if scatter:
+            outputs = jax.lax.psum_scatter(outputs, AXIS, scatter_dimension=0, tiled=True)
+        else:
+            outputs = jax.lax.psum(outputs, AXIS)
+        return outputs.astype(xs.dtype)
+
+    layers = PartitionSpec(AXIS)
+    shared = PartitionSpec()
+    pipelined = jax.shard_map(
+        body,
+        in_specs=(layers, layers, shared, shared, shared),
+        out_specs=layers if scatter else shared,
+        axis_names={AXIS},
+    )
+    hidden = pipelined(
+        stacked,
+        kinds,
+        _split(x, count),
+        _split(positions, count),
+        _split(segment_ids, count),
+    )
+    return hidden.reshape(x.shape)
+
+
+def one_f_one_b(
+    net: Transformer,
+    params: Any,
+    embed: Callable[[Any], jax.Array],
+    head_loss: Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array],
+    targets: jax.Array,
+    mask: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    plan: PipelinePlan,
+    kernel: AttentionKernel,
+) -> tuple[jax.Array, Any]:
+    """Summed loss and its gradients, by the 1F1B schedule. `params`: the compute-dtype
+    parameters that `net` holds; the outer ones are all but `blocks`. embed(outer) → the
+    embedded tokens [B, T, D]; head_loss(outer, hidden [b, T, D] after the blocks, targets
+    [b, T], mask [b, T]) → the summed loss of one pipeline micro-batch; targets, positions,
+    segment_ids int32 [B, T], mask fp32 [B, T]. Returns (loss, fp32 gradients with the
+    structure of `params`).
+
+    Tick t, stage s runs the forward of micro-batch t - s and the backward of micro-batch
+    t - 2(S - 1) + s. The last stage takes the loss and its gradient of a micro-batch right
+    after its forward; a backward recomputes the stage's forward from the input it saved (a
+    ring of 2S - 1 slots). Every stage computes every tick, and a tick without a micro-batch
+    is masked out: under a lax.cond per stage, the collectives of fsdp and tp inside the
+    branches deadlocked XLA's CPU runtime (8 faked devices), so the idle ticks of the warm-up
+    and cool-down cost as much as the others."""
+    stages, count = plan.stages, plan.microbatches
+    slots = min(count, 2 * stages - 1)
+    run_stage = _stage_runner(net, kernel)
+    outer = {k: v for k, v in params.items() if k != "blocks"}
+    kinds = jnp.asarray(net.kind_index, jnp.int32)
+    xs, embed_vjp = jax.vjp(embed, outer)
+
+    def body(stacked, kinds, outer, xs, positions, segment_ids, targets, mask):
+        stage = jax.lax.axis_index(AXIS)
+        xs = _varying(xs)  # read by stage 0 only
+        last = stage == stages - 1
+        # Zeros typed as stage-local, like the loop's values (xs is).
+        zeros_x = jnp.zeros_like(xs[0])
+        f32 = lambda tree: _varying(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))  # noqa: E731
+
+        def forward(stacked, x, index):
+            return run_stage(
+                stacked, kinds, x, _microbatch(positions, index), _microbatch(segment_ids, index)
+            )
+
+        def tick(carry, t):
+            arrived, returned, saved, stage_grads, outer_grads, dxs, loss_sum = carry
+            # The forward of micro-batch f = t - s.
+            f = t - stage
+            f_on = (f >= 0) & (f < count)
+            fi = jnp.clip(f, 0, count - 1)
+            x = jnp.where(stage == 0, _microbatch(xs, fi), arrived)
+            y = forward(stacked, x, fi)
+            slot = fi % slots
+            stored = jnp.where(f_on, x, jax.lax.dynamic_index_in_dim(saved, slot, keepdims=False))
+            saved = jax.lax.dynamic_update_index_in_dim(saved, stored, slot, 0)
+
+            # The last stage: the loss of micro-batch f and its gradient, right away.
+            # Differentiated as a stage-local copy: its gradient is this stage's alone.
+            loss, (d_outer, dy) = jax.value_and_grad(head_loss, argnums=(0, 1))(
+                _varying(outer), y, _microbatch(targets, fi), _microbatch(mask, fi)
+            )
+            counted = last & f_on
+            loss_sum = loss_sum + jnp.where(counted, loss, 0.0)
+            outer_grads = jax.tree.map(
+                lambda total, d: total + jnp.where(counted, d.astype(jnp.float32), 0.0),
+                outer_grads,
+                d_outer,
+            )
+
+            # The backward of micro-batch g = t - 2(S - 1) + s: at the last stage g = f.
+            g = t - 2 * (stages - 1) + stage
+            g_on = (g >= 0) & (g < count)
+            gi = jnp.clip(g, 0, count - 1)
+            cotangent = jnp.where(last, dy, returned)
+
+            x_saved = jax.lax.dynamic_index_in_dim(saved, gi % slots, keepdims=False)
+            _, vjp = jax.vjp(lambda p, x: forward(p, x, gi), stacked, x_saved)
+            d_stacked, dx = vjp(cotangent)
+            stage_grads = jax.tree.map(
+                lambda total, d: total + jnp.where(g_on, d.astype(jnp.float32), 0.0),
+                stage_grads,
+                d_stacked,
+            )
+            first_done = (stage == 0) & g_on
+            old = jax.lax.dynamic_index_in_dim(dxs, gi, keepdims=False)
+            dxs = jax.lax.dynamic_update_index_in_dim(dxs, jnp.where(first_done, dx, old), gi, 0)
+            arrived, returned = _to_next_stage(y, stages), _to_previous_stage(dx, stages)
+            return (arrived, returned, saved, stage_grads, outer_grads, dxs, loss_sum), None
+
+        start = (
+            zeros_x,
+            zeros_x,
+            _varying(jnp.zeros((slots, *xs.shape[1:]), xs.dtype)),
+            f32(stacked),
+            f32(outer),
+            jnp.zeros_like(xs),
+            f32(jnp.zeros(())),
+        )
+        carry, _ = jax.lax.scan(tick, start, jnp.arange(plan.ticks))
+        _, _, _, stage_grads, outer_grads, dxs, loss_sum = carry
+        # Only the last stage holds the loss and the head's gradients, only the first dxs.
+        shared = jax.lax.psum((outer_grads, dxs.astype(jnp.float32), loss_sum), AXIS)
+        return stage_grads, *shared
+
+    layers, replicated = PartitionSpec(AXIS), PartitionSpec()
+    pipelined = jax.shard_map(
+        body,
+        in_specs=(layers, layers, *(replicated,) * 6),
+        out_specs=(layers, replicated, replicated, replicated),
+        axis_names={AXIS},
+    )
+    stage_grads, outer_grads, dxs, loss = pipelined(
+        params["blocks"],
+        kinds,
+        outer,
+        _split(xs, count),
+        _split(positions, count),
+        _split(segment_ids, count),
+        _split(targets, count),
+        _split(mask, count),
+    )
+    (embed_grads,) = embed_vjp(dxs.reshape(xs.shape).astype(xs.dtype))
+    outer_grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), outer_grads, embed_grads)
+    return loss, {**outer_grads, "blocks": stage_grads}
