@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers.config import compose_config
 from helpers.process import RUN_TRAINING, run_launcher, subprocess_env
-from helpers.runs import losses, train_tiny
+from helpers.runs import SMALL_RUN, losses, train_tiny
 
 from meshtrain.config.validate import check_against_mesh, check_config
 from meshtrain.errors import ConfigError
@@ -27,16 +27,8 @@ MODEL = (
     "model.attention_pattern=[local,global]",
     "model.sliding_window=8",
 )
-RUN = (
-    *MODEL,
-    "data=synthetic",
-    "data.seq_len=32",
-    "training.global_batch_size=8",
-    "training.steps=3",
-    "training.log_every=1",
-    "training.warmup_steps=1",
-    "training.eval_every=0",
-)
+# The multi-process tests' short run, with the 4-layer model.
+RUN = (*MODEL, *(o for o in SMALL_RUN if not o.startswith("model.num_layers=")))
 
 
 def _losses(result):
@@ -53,7 +45,12 @@ def without_pp(tmp_path_factory):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize(
     ("mesh", "microbatches"),
-    [("[[2,4],[pp,fsdp]]", 2), ("[[2,2,2],[pp,fsdp,tp]]", 2), ("[[4,2],[pp,fsdp]]", 4)],
+    [
+        ("[[2,4],[pp,fsdp]]", 2),
+        # 3D: 12 s for both schedules, kept out of the default suite's 10 minutes
+        pytest.param("[[2,2,2],[pp,fsdp,tp]]", 2, marks=pytest.mark.slow),
+        ("[[4,2],[pp,fsdp]]", 4),
+    ],
 )
 def test_every_mesh_and_schedule_gives_the_losses_without_pp(
     tmp_path, without_pp, mesh, microbatches, schedule
@@ -70,8 +67,14 @@ def test_every_mesh_and_schedule_gives_the_losses_without_pp(
     np.testing.assert_allclose(losses, without_pp, rtol=1e-5)
 
 
-def test_the_log_and_the_plan_state_the_bubble(tmp_path):
-    train_tiny(tmp_path, *RUN, "model.mesh_shape=[[2,4],[pp,fsdp]]", "training.steps=1")
+def test_the_log_the_plan_and_the_communication_report(tmp_path):
+    train_tiny(
+        tmp_path,
+        *RUN,
+        "model.mesh_shape=[[2,4],[pp,fsdp]]",
+        "training.steps=1",
+        "training.profile_communication=true",
+    )
     log = (tmp_path / "train.log").read_text()
     assert (
         "pipeline: 2 stages, 2 micro-batches, gpipe: bubble 33.3% ((S-1)/(M+S-1)), activations "
@@ -86,6 +89,15 @@ def test_the_log_and_the_plan_state_the_bubble(tmp_path):
         "bubble": pytest.approx(1 / 3),
         "microbatches_alive": 2,
     }
+    # The hand-overs between stages: a collective-permute on pp per tick (M + S - 1 = 3),
+    # forward and backward.
+    report = json.loads((tmp_path / "communication.json").read_text())
+    shifts = [
+        c
+        for c in report["collectives"]
+        if c["kind"] == "collective-permute" and c["mesh_axes"] == ["pp"]
+    ]
+    assert [c["count"] for c in shifts] == [3, 3]
 
 
 def test_bubble_and_alive_micro_batches_by_the_formula():

@@ -14,7 +14,7 @@ stage (collective-permutes on the pp axis). Schedules (training.pipeline.schedul
 
 - **gpipe**: the forwards of all M pipeline micro-batches, M + S - 1 ticks; the backward pass is
   JAX's transpose of that loop, so the activations of all M micro-batches are kept.
-- **1f1b**: one forward and one backward per tick (a stage idles where it has neither), the
+- **1f1b**: one forward and one backward per tick (masked where a stage has no micro-batch), the
   backward of a micro-batch starting at the last stage right after its forward: a stage keeps
   the inputs of at most 2S - 1 micro-batches, whatever M is, and recomputes its forward in the
   backward (jax.vjp), as model.remat=full would.
