@@ -63,6 +63,11 @@ def rope_specs(cfg: ModelConfig) -> dict[str, RopeSpec]:
     }
 
 
+def default_positions(tokens: jax.Array) -> jax.Array:
+    """0 … T-1 in every row of tokens [B, T]: the positions of unpacked sequences."""
+    return jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+
+
 def parameter_count(cfg: ModelConfig) -> int:
     """Number of parameters, from abstract one- and two-block models (fast at any depth)."""
 
@@ -223,7 +228,7 @@ class Transformer(nnx.Module):
         """The final-normed residual stream [B, T, D] that the output projection turns into
         logits (the loss fuses that projection with the cross-entropy: meshtrain.train.step)."""
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+            positions = default_positions(tokens)
         x = self.embed_tokens(tokens)
         kernel, _ = self.attention_kernel(x.dtype)
         x = self._run_blocks(x, self.rope_per_kind(positions), self.kind_index, kernel, segment_ids)

@@ -139,6 +139,34 @@ def _varying(tree: Any) -> Any:
     return jax.tree.map(cast, tree)
 
 
+def _sum_over_stages(tree: Any, scatter: bool = False) -> Any:
+    """psum over pp (psum_scatter of the leading axis with `scatter`), each leaf in its own
+    dtype but summed in fp32: XLA's CPU compiler aborts on a bf16 reduction over pp."""
+
+    def reduce(a: jax.Array) -> jax.Array:
+        wide = a.astype(jnp.float32)
+        if scatter:
+            wide = jax.lax.psum_scatter(wide, AXIS, scatter_dimension=0, tiled=True)
+        else:
+            wide = jax.lax.psum(wide, AXIS)
+        return wide.astype(a.dtype)
+
+    return jax.tree.map(reduce, tree)
+
+
+def _store(buffer: jax.Array, index: jax.Array, value: jax.Array, keep: jax.Array) -> jax.Array:
+    """buffer[index] = value where `keep`, else buffer unchanged."""
+    old = jax.lax.dynamic_index_in_dim(buffer, index, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(keep, value, old), index, 0)
+
+
+def _add_where(totals: Any, values: Any, on: jax.Array) -> Any:
+    """totals + values (in fp32) where `on`, else totals."""
+    return jax.tree.map(
+        lambda total, v: total + jnp.where(on, v.astype(jnp.float32), 0.0), totals, values
+    )
+
+
 def _split(a: jax.Array | None, count: int) -> jax.Array | None:
     """[B, ...] → [count, B / count, ...]: pipeline micro-batch i is rows [i·b, (i+1)·b)."""
     return None if a is None else a.reshape(count, a.shape[0] // count, *a.shape[1:])
@@ -179,21 +207,13 @@ def gpipe_hidden(
                 stacked, kinds, held, _microbatch(positions, index), _microbatch(segment_ids, index)
             )
             done = t - (stages - 1)  # the micro-batch leaving the last stage
-            slot = jnp.clip(done, 0, count - 1)
             keep = (stage == stages - 1) & (done >= 0)
-            kept = jnp.where(keep, y, jax.lax.dynamic_index_in_dim(outputs, slot, keepdims=False))
-            outputs = jax.lax.dynamic_update_index_in_dim(outputs, kept, slot, 0)
+            outputs = _store(outputs, jnp.clip(done, 0, count - 1), y, keep)
             return (_to_next_stage(y, stages), outputs), None
 
         start = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs))  # stage-local, as xs is
-        (_, outputs), _ = jax.lax.scan(tick, start, jnp.arange(count + stages - 1))
-        # Summed in fp32: XLA's CPU compiler aborts on a bf16 reduction over pp.
-        outputs = outputs.astype(jnp.float32)
-        if scatter:
-            outputs = jax.lax.psum_scatter(outputs, AXIS, scatter_dimension=0, tiled=True)
-        else:
-            outputs = jax.lax.psum(outputs, AXIS)
-        return outputs.astype(xs.dtype)
+        (_, outputs), _ = jax.lax.scan(tick, start, jnp.arange(plan.ticks))
+        return _sum_over_stages(outputs, scatter=scatter)
 
     layers = PartitionSpec(AXIS)
     shared = PartitionSpec()
@@ -267,21 +287,15 @@ def one_f_one_b(
             fi = jnp.clip(f, 0, count - 1)
             x = jnp.where(stage == 0, _microbatch(xs, fi), arrived)
             y = forward(stacked, x, fi)
-            slot = fi % slots
-            stored = jnp.where(f_on, x, jax.lax.dynamic_index_in_dim(saved, slot, keepdims=False))
-            saved = jax.lax.dynamic_update_index_in_dim(saved, stored, slot, 0)
+            saved = _store(saved, fi % slots, x, f_on)
 
             # The last stage: the loss of micro-batch f and its gradient, right away.
             # Differentiated as a stage-local copy: its gradient is this stage's alone.
             loss, (d_outer, dy) = jax.value_and_grad(head_loss, argnums=(0, 1))(
                 _varying(outer), y, _microbatch(targets, fi), _microbatch(mask, fi)
             )
-            counted = last & f_on
-            loss_sum = loss_sum + jnp.where(counted, loss, 0.0)
-            outer_grads = jax.tree.map(
-                lambda total, d: total + jnp.where(counted, d.astype(jnp.float32), 0.0),
-                outer_grads,
-                d_outer,
+            loss_sum, outer_grads = _add_where(
+                (loss_sum, outer_grads), (loss, d_outer), last & f_on
             )
 
             # The backward of micro-batch g = t - 2(S - 1) + s: at the last stage g = f.
@@ -293,14 +307,8 @@ def one_f_one_b(
             x_saved = jax.lax.dynamic_index_in_dim(saved, gi % slots, keepdims=False)
             _, vjp = jax.vjp(lambda p, x: forward(p, x, gi), stacked, x_saved)
             d_stacked, dx = vjp(cotangent)
-            stage_grads = jax.tree.map(
-                lambda total, d: total + jnp.where(g_on, d.astype(jnp.float32), 0.0),
-                stage_grads,
-                d_stacked,
-            )
-            first_done = (stage == 0) & g_on
-            old = jax.lax.dynamic_index_in_dim(dxs, gi, keepdims=False)
-            dxs = jax.lax.dynamic_update_index_in_dim(dxs, jnp.where(first_done, dx, old), gi, 0)
+            stage_grads = _add_where(stage_grads, d_stacked, g_on)
+            dxs = _store(dxs, gi, dx, (stage == 0) & g_on)
             arrived, returned = _to_next_stage(y, stages), _to_previous_stage(dx, stages)
             return (arrived, returned, saved, stage_grads, outer_grads, dxs, loss_sum), None
 
@@ -316,8 +324,7 @@ def one_f_one_b(
         carry, _ = jax.lax.scan(tick, start, jnp.arange(plan.ticks))
         _, _, _, stage_grads, outer_grads, dxs, loss_sum = carry
         # Only the last stage holds the loss and the head's gradients, only the first dxs.
-        shared = jax.lax.psum((outer_grads, dxs.astype(jnp.float32), loss_sum), AXIS)
-        return stage_grads, *shared
+        return stage_grads, *_sum_over_stages((outer_grads, dxs, loss_sum))
 
     layers, replicated = PartitionSpec(AXIS), PartitionSpec()
     pipelined = jax.shard_map(
@@ -336,6 +343,6 @@ def one_f_one_b(
         _split(targets, count),
         _split(mask, count),
     )
-    (embed_grads,) = embed_vjp(dxs.reshape(xs.shape).astype(xs.dtype))
+    (embed_grads,) = embed_vjp(dxs.reshape(xs.shape))
     outer_grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), outer_grads, embed_grads)
     return loss, {**outer_grads, "blocks": stage_grads}

@@ -21,6 +21,7 @@ import optax
 from meshtrain.config.schema import MixedPrecision, TrainingConfig
 from meshtrain.models.abstract import AbstractModel, merge_model, without_mesh_axes
 from meshtrain.models.attention import select_attention
+from meshtrain.models.transformer import default_positions
 from meshtrain.parallel.rules import constrain
 from meshtrain.train.documents import DocumentBoundaries
 from meshtrain.train.gradients import (
@@ -67,11 +68,8 @@ def token_loss_sum(
     With `documents` (data.document_masking), a token attends only to the earlier tokens of its
     own packed document, at positions that restart with each document. With `pipeline`, the
     blocks run as its schedule's forward over the pp stages (train.pipeline)."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [B, T] each
-    compute_params = cast_params(model, params, compute_dtype)
-    net = merge_model(model, compute_params)
-    mask = (targets != pad_id).astype(jnp.float32)  # [B, T]
-    segment_ids, positions = documents.segments(inputs) if documents else (None, None)
+    inputs, targets, mask, segment_ids, positions = _shifted(tokens, pad_id, documents)
+    net = merge_model(model, cast_params(model, params, compute_dtype))
     if pipeline is None:
         hidden = net.hidden(inputs, positions, segment_ids)
         weight, layout = net.output_weight()
@@ -79,7 +77,7 @@ def token_loss_sum(
         return loss, jnp.sum(mask)
     x = net.embed_tokens(inputs)
     kernel, _ = net.attention_kernel(x.dtype)
-    positions = _positions(inputs) if positions is None else positions
+    positions = default_positions(inputs) if positions is None else positions
     hidden = gpipe_hidden(net, x, positions, segment_ids, pipeline, kernel)
     rules = loss_rules(net.rules, pipeline)
     loss = _head_loss(
@@ -88,9 +86,15 @@ def token_loss_sum(
     return loss, jnp.sum(mask)
 
 
-def _positions(inputs: jax.Array) -> jax.Array:
-    """0 … T-1 in every row of inputs [B, T]."""
-    return jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+def _shifted(
+    tokens: jax.Array, pad_id: int, documents: DocumentBoundaries | None
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+    """tokens [B, seq_len + 1] → inputs and targets int32 [B, T], the mask of non-pad targets
+    fp32 [B, T], and with `documents` each input's segment id and position (else None)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    mask = (targets != pad_id).astype(jnp.float32)
+    segment_ids, positions = documents.segments(inputs) if documents else (None, None)
+    return inputs, targets, mask, segment_ids, positions
 
 
 def _head_loss(
@@ -113,12 +117,10 @@ def one_f_one_b_loss_and_grads(
 ) -> tuple[tuple[jax.Array, jax.Array], Any]:
     """((summed loss, token count), gradients) of token_loss_sum under the 1f1b schedule,
     which computes the gradients itself (train.pipeline.one_f_one_b)."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    inputs, targets, mask, segment_ids, positions = _shifted(tokens, pad_id, documents)
+    positions = default_positions(inputs) if positions is None else positions
     compute_params = cast_params(model, params, compute_dtype)
     net = merge_model(model, compute_params)
-    mask = (targets != pad_id).astype(jnp.float32)
-    segment_ids, positions = documents.segments(inputs) if documents else (None, None)
-    positions = _positions(inputs) if positions is None else positions
     blocks = compute_params["blocks"]
 
     def with_outer(outer: Any) -> Any:
