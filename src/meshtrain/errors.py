@@ -20,6 +20,12 @@ class DistributedError(RuntimeError):
     exit_code = 1
 
 
+def require(ok: bool, message: str) -> None:
+    """Raises ConfigError(message) unless `ok`: a start-up check in one line."""
+    if not ok:
+        raise ConfigError(message)
+
+
 def error_line(message: str) -> str:
     """The one line every entry point prints for an error (meshtrain.cli.exit.fail)."""
     return f"meshtrain: error: {message}"

@@ -18,6 +18,7 @@ from meshtrain.config.validate import check_config
 from meshtrain.errors import ConfigError
 from meshtrain.models import attention as attention_module
 from meshtrain.models.attention import (
+    WindowOfKind,
     cudnn_unsupported,
     dot_product_attention,
     is_nvidia_gpu,
@@ -225,3 +226,25 @@ def test_the_model_gives_the_same_logits_with_every_kernel(monkeypatch):
             rtol=1e-5,
             atol=1e-5,
         )
+
+
+@pytest.mark.parametrize("kind", [0, 1])
+def test_a_traced_layer_kind_attends_with_its_own_window(kind):
+    """WindowOfKind (a scanned layer of several kinds): only the attention branches on the
+    kind, and each branch is the attention of that kind's window, outputs and gradients."""
+    q, k, v = _inputs(4, 2, length=16, seed=3)
+    windows = (5, None)
+
+    def traced(q, k, v, kind):
+        window = WindowOfKind(kind, windows)
+        return dot_product_attention(q, k, v, kernel="chunked", window=window, block=4).sum()
+
+    def static(q, k, v):
+        out = dot_product_attention(q, k, v, kernel="chunked", window=windows[kind], block=4)
+        return out.sum()
+
+    value, grads = jax.jit(jax.value_and_grad(traced, argnums=(0, 1, 2)))(q, k, v, jnp.int32(kind))
+    expected, expected_grads = jax.value_and_grad(static, argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(value, expected, rtol=1e-6)
+    for got, want in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -3,6 +3,7 @@ mesh, stage-local parameters, 1f1b's smaller activation memory, checkpoints betw
 non-pp meshes, and the start-up errors."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -15,7 +16,7 @@ from meshtrain.config.validate import check_against_mesh, check_config
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.mesh import parse_mesh_shape
 from meshtrain.train.optimizer import build_optimizer
-from meshtrain.train.pipeline import PipelinePlan
+from meshtrain.train.pipeline_plan import PipelinePlan, layer_table
 from meshtrain.train.setup import compile_train_step, prepare
 from meshtrain.train.state import state_shardings
 
@@ -27,6 +28,7 @@ MODEL = (
     "model.attention_pattern=[local,global]",
     "model.sliding_window=8",
 )
+SCHEDULES = ("gpipe", "circular", "1f1b")
 # The multi-process tests' short run, with the 4-layer model.
 RUN = (*MODEL, *(o for o in SMALL_RUN if not o.startswith("model.num_layers=")))
 
@@ -42,19 +44,24 @@ def without_pp(tmp_path_factory):
     )
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def _case(mesh, microbatches, schedule, *marks):
+    return pytest.param(mesh, microbatches, schedule, marks=marks, id=f"{mesh}-{schedule}")
+
+
 @pytest.mark.parametrize(
-    ("mesh", "microbatches"),
+    ("mesh", "microbatches", "schedule"),
     [
-        ("[[2,4],[pp,fsdp]]", 2),
-        # 3D: 12 s for both schedules, kept out of the default suite's 10 minutes
-        pytest.param("[[2,2,2],[pp,fsdp,tp]]", 2, marks=pytest.mark.slow),
-        ("[[4,2],[pp,fsdp]]", 4),
+        *(_case("[[2,4],[pp,fsdp]]", 2, s) for s in ("gpipe", "circular", "1f1b")),
+        # 3D: 18 s for the three schedules, kept out of the default suite's 10 minutes
+        *(_case("[[2,2,2],[pp,fsdp,tp]]", 2, s, pytest.mark.slow) for s in SCHEDULES),
+        *(_case("[[4,2],[pp,fsdp]]", 4, s) for s in ("gpipe", "1f1b")),
     ],
 )
 def test_every_mesh_and_schedule_gives_the_losses_without_pp(
     tmp_path, without_pp, mesh, microbatches, schedule
 ):
+    """Circular, with 2 layers per stage and 2 repeats, runs layers (0, 2) on stage 0 and
+    (1, 3) on stage 1: local and global layers at the same step of the two stages' scans."""
     losses = _losses(
         train_tiny(
             tmp_path,
@@ -65,6 +72,77 @@ def test_every_mesh_and_schedule_gives_the_losses_without_pp(
         )
     )
     np.testing.assert_allclose(losses, without_pp, rtol=1e-5)
+
+
+@pytest.mark.slow  # an 8-layer model: 4 stages of 2 layers, so that circular can interleave
+def test_circular_on_four_stages_gives_the_losses_without_pp(tmp_path):
+    eight = (*RUN, "model.num_layers=8")
+    flat = train_tiny(tmp_path / "flat", *eight, "model.mesh_shape=[[8,1],[fsdp,tp]]")
+    circular = train_tiny(
+        tmp_path / "circular",
+        *eight,
+        "model.mesh_shape=[[4,2],[pp,fsdp]]",
+        "training.pipeline.schedule=circular",
+        "training.pipeline.microbatches=4",
+    )
+    np.testing.assert_allclose(_losses(circular), _losses(flat), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("layers_per_stage", "schedule"),
+    [("[3,1]", "gpipe"), pytest.param("[1,3]", "1f1b", marks=pytest.mark.slow)],
+)
+def test_uneven_stages_give_the_losses_without_pp(tmp_path, without_pp, layers_per_stage, schedule):
+    result = train_tiny(
+        tmp_path,
+        *RUN,
+        "model.mesh_shape=[[2,4],[pp,fsdp]]",
+        f"model.pipeline.layers_per_stage={layers_per_stage}",
+        f"training.pipeline.schedule={schedule}",
+    )
+    np.testing.assert_allclose(_losses(result), without_pp, rtol=1e-5)
+    # pp=2 divides the 4 layers: each stage still stores 2 of them.
+    assert result.setup.model.param_shardings["blocks"]["mlp"]["up"].spec[0] == "pp"
+
+
+def test_stages_that_do_not_divide_the_layers_store_them_whole(tmp_path, without_pp):
+    """pp=3 over 4 layers, [2, 1, 1]: the stacked blocks cannot split over pp, so every stage
+    stores them (sharded over fsdp) and runs its own."""
+    result = train_tiny(
+        tmp_path,
+        *RUN,
+        "model.mesh_shape=[[3,2],[pp,fsdp]]",
+        "model.pipeline.layers_per_stage=[2,1,1]",
+        "training.pipeline.microbatches=4",
+        devices=6,
+    )
+    np.testing.assert_allclose(_losses(result), without_pp, rtol=1e-5)
+    assert result.setup.model.param_shardings["blocks"]["mlp"]["up"].spec[0] is None
+    assert (
+        "pp=3 does not divide model.num_layers=4: every stage stores all the stacked blocks "
+        "(sharded over the other axes as without pp) and runs the layers of "
+        "model.pipeline.layers_per_stage=[2, 1, 1]"
+    ) in (tmp_path / "train.log").read_text()
+
+
+@pytest.mark.slow  # three runs of a 6-layer model
+def test_gemma_layer_pattern_crosses_stage_boundaries(tmp_path):
+    """Gemma 3's 5 local : 1 global layers, 6 of them on 2 stages: stage 0 runs local layers
+    only, stage 1 two local and the global one (gpipe), or interleaved chunks (circular)."""
+    gemma = (
+        *RUN,
+        "model.num_layers=6",
+        "model.attention_pattern=[local,local,local,local,local,global]",
+    )
+    flat = _losses(train_tiny(tmp_path / "flat", *gemma, "model.mesh_shape=[[8,1],[fsdp,tp]]"))
+    for schedule in ("gpipe", "circular"):
+        piped = train_tiny(
+            tmp_path / schedule,
+            *gemma,
+            "model.mesh_shape=[[2,4],[pp,fsdp]]",
+            f"training.pipeline.schedule={schedule}",
+        )
+        np.testing.assert_allclose(_losses(piped), flat, rtol=1e-5)
 
 
 def test_the_log_the_plan_and_the_communication_report(tmp_path):
@@ -86,26 +164,88 @@ def test_the_log_the_plan_and_the_communication_report(tmp_path):
         "stages": 2,
         "microbatches": 2,
         "schedule": "gpipe",
+        "repeats": 1,
+        "layers_per_stage": None,
+        "ticks": 3,
         "bubble": pytest.approx(1 / 3),
         "microbatches_alive": 2,
     }
     # The hand-overs between stages: a collective-permute on pp per tick (M + S - 1 = 3),
     # forward and backward.
-    report = json.loads((tmp_path / "communication.json").read_text())
-    shifts = [
-        c
+    assert _hand_overs(tmp_path) == [3, 3]
+
+
+def _hand_overs(run_dir):
+    report = json.loads((run_dir / "communication.json").read_text())
+    return [
+        c["count"]
         for c in report["collectives"]
         if c["kind"] == "collective-permute" and c["mesh_axes"] == ["pp"]
     ]
-    assert [c["count"] for c in shifts] == [3, 3]
+
+
+def test_circular_logs_its_bubble_and_measures_it_under_the_profiler(tmp_path):
+    result = train_tiny(
+        tmp_path,
+        *RUN,
+        "model.mesh_shape=[[2,4],[pp,fsdp]]",
+        "training.pipeline.schedule=circular",
+        "training.steps=3",
+        "training.profile=true",
+        "profile.start_step=2",
+        "profile.num_steps=2",
+        "training.profile_communication=true",
+    )
+    log = (tmp_path / "train.log").read_text()
+    assert (
+        "pipeline: 2 stages, 2 micro-batches, circular × 2 repeats: bubble 20.0% "
+        "((S-1)/(R·M+S-1)), activations of 2 micro-batch(es) alive per stage"
+    ) in log
+    # R·M + S - 1 = 5 ticks, each chunk of layers one tick; the chunks move to their stages by
+    # all-to-alls over pp, the weights forward and their gradients back.
+    assert _hand_overs(tmp_path) == [5, 5]
+    report = json.loads((tmp_path / "communication.json").read_text())
+    moves = [
+        c for c in report["collectives"] if c["kind"] == "all-to-all" and c["mesh_axes"] == ["pp"]
+    ]
+    assert len(moves) == 2 * len(jax.tree.leaves(result.setup.model.abstract_params["blocks"]))
+    # Every tick costs the same (idle ones compute and discard): the measured bubble is the
+    # formula's, within the noise of a 2-core machine.
+    measured = re.search(
+        r"profiler: pipeline bubble ([\d.]+)% of the ticks \(formula 20.0%\), ([\d.]+)% of the "
+        r"step; ticks of [\d.]+ ms \(median\), the pipeline's loops ([\d.]+)% of the step",
+        log,
+    )
+    assert measured, log[-2000:]
+    bubble, of_step, loops = (float(g) / 100 for g in measured.groups())
+    assert abs(bubble - 0.2) < 0.05
+    assert 0.0 < loops <= 1.0
+    assert of_step == pytest.approx(bubble * loops, abs=0.01)
 
 
 def test_bubble_and_alive_micro_batches_by_the_formula():
-    gpipe, one_f_one_b = PipelinePlan(4, 8, "gpipe"), PipelinePlan(4, 8, "1f1b")
-    assert gpipe.bubble == one_f_one_b.bubble == pytest.approx(3 / 11)
-    assert (gpipe.ticks, one_f_one_b.ticks) == (11, 14)
+    gpipe, circular = PipelinePlan(4, 8, "gpipe"), PipelinePlan(4, 8, "circular", repeats=2)
+    one_f_one_b = PipelinePlan(4, 8, "1f1b")
+    assert (gpipe.ticks, circular.ticks, one_f_one_b.ticks) == (11, 19, 14)
+    assert gpipe.bubble == pytest.approx(3 / 11)
+    assert circular.bubble == pytest.approx(3 / 19)
+    # 1f1b's lock-step ticks: the warm-up ticks run no backward, the cool-down ones no forward.
+    assert one_f_one_b.bubble == pytest.approx(6 / 14)
     assert (gpipe.microbatches_alive, one_f_one_b.microbatches_alive) == (8, 7)
+    assert circular.microbatches_alive == 8
     assert PipelinePlan(2, 16, "1f1b").microbatches_alive == 3
+    for plan in (gpipe, circular, one_f_one_b):  # the formula, tick by tick
+        for stage in range(4):
+            idle = sum(plan.idle_share(stage, tick) for tick in range(plan.ticks))
+            assert idle == plan.idle_ticks
+
+
+def test_which_layer_each_stage_runs():
+    circular = layer_table(PipelinePlan(2, 2, "circular", repeats=2), 8)
+    assert circular.tolist() == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    uneven = layer_table(PipelinePlan(3, 3, "gpipe", layers_per_stage=(3, 2, 1)), 6)
+    assert uneven.tolist() == [[[0, 1, 2]], [[3, 4, -1]], [[5, -1, -1]]]
+    assert layer_table(PipelinePlan(2, 2, "gpipe"), 4).tolist() == [[[0, 1]], [[2, 3]]]
 
 
 def _setup(mesh, *overrides, devices=8):
@@ -205,7 +345,70 @@ def test_a_checkpoint_resumes_across_pp_and_non_pp_meshes(tmp_path, writer, read
         (
             "[[2,4],[pp,fsdp]]",
             ["training.pipeline.schedule=zigzag"],
-            "training.pipeline.schedule='zigzag' is not supported; use one of: gpipe, 1f1b",
+            "training.pipeline.schedule='zigzag' is not supported; use one of: gpipe, circular, "
+            "1f1b",
+        ),
+        (
+            "[[4,2],[pp,fsdp]]",
+            ["model.num_layers=6"],
+            "pp=4 in model.mesh_shape does not split model.num_layers=6 into equal stages; use "
+            "pp in {1, 2, 3, 6}, or model.pipeline.layers_per_stage=[2, 2, 1, 1]",
+        ),
+        (
+            "[[2,4],[pp,fsdp]]",
+            ["model.pipeline.layers_per_stage=[1,1,2]"],
+            "model.pipeline.layers_per_stage=[1, 1, 2] lists 3 stages, but model.mesh_shape has "
+            "pp=2; list 2 counts, e.g. [2, 2]",
+        ),
+        (
+            "[[2,4],[pp,fsdp]]",
+            ["model.pipeline.layers_per_stage=[4,0]"],
+            "model.pipeline.layers_per_stage=[4, 0] leaves stage 1 without layers; every stage "
+            "needs at least one, e.g. [2, 2]",
+        ),
+        (
+            "[[2,4],[pp,fsdp]]",
+            ["model.pipeline.layers_per_stage=[3,2]"],
+            "model.pipeline.layers_per_stage=[3, 2] sums to 5, not model.num_layers=4; e.g. [2, 2]",
+        ),
+        (
+            "[[8,1],[fsdp,tp]]",
+            ["model.pipeline.layers_per_stage=[2,2]"],
+            "model.pipeline.layers_per_stage=[2, 2] splits the layers into pipeline stages, but "
+            "model.mesh_shape has no pp axis; add one (e.g. [[2,-1],[pp,fsdp]]) or drop "
+            "model.pipeline.layers_per_stage",
+        ),
+        (
+            "[[2,4],[pp,fsdp]]",
+            ["training.pipeline.repeats=2"],
+            "training.pipeline.repeats=2 applies to the circular schedule, not gpipe; add "
+            "training.pipeline.schedule=circular or drop training.pipeline.repeats",
+        ),
+        (
+            "[[2,4],[pp,fsdp]]",
+            ["training.pipeline.schedule=circular", "training.pipeline.repeats=3"],
+            "training.pipeline.repeats=3 does not divide the 2 layers per stage "
+            "(model.num_layers=4 over pp=2); use one of 1, 2",
+        ),
+        (
+            "[[4,2],[pp,fsdp]]",
+            ["training.pipeline.schedule=circular"],
+            "training.pipeline.schedule=circular loops through the layers of each stage in "
+            "chunks, but model.num_layers=4 over pp=4 leaves 1 per stage; use fewer stages, or "
+            "training.pipeline.schedule=gpipe",
+        ),
+        (
+            "[[2,4],[pp,fsdp]]",
+            ["training.pipeline.schedule=circular", "model.pipeline.layers_per_stage=[3,1]"],
+            "model.pipeline.layers_per_stage=[3, 1] gives stages of different sizes, which the "
+            "circular schedule cannot interleave; use training.pipeline.schedule=gpipe or 1f1b, "
+            "or equal stages",
+        ),
+        (
+            "[[2,4],[pp,fsdp]]",
+            ["training.pipeline.microbatches=1", "training.pipeline.schedule=circular"],
+            "training.pipeline.microbatches=1 is fewer than the pp=2 stages; circular needs at "
+            "least 2: use training.pipeline.microbatches=4",
         ),
         (
             "[[2,4],[pp,fsdp]]",

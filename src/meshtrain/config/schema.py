@@ -37,7 +37,7 @@ NonfiniteMode = Literal["stop", "skip"]
 """training.nonfinite."""
 ReduceDtype = Literal["fp32", "bf16"]
 """training.reduce_dtype: the precision of the gradient reductions meshtrain runs itself."""
-PipelineSchedule = Literal["gpipe", "1f1b"]
+PipelineSchedule = Literal["gpipe", "circular", "1f1b"]
 """training.pipeline.schedule."""
 ResumeMode = Literal["auto", "never"]
 """checkpoint.resume, unless it is a checkpoint path."""
@@ -93,6 +93,14 @@ DEFAULT_LOGICAL_AXIS_RULES: dict[str, Any] = {
     "norm": None,
     "layers": "pp",  # stacked blocks (model.scan_layers): each pipeline stage holds its own
 }
+
+
+@dataclass
+class StageLayout:
+    """model.pipeline: how the blocks split into the stages of a `pp` mesh axis."""
+
+    layers_per_stage: list[int] | None = None
+    """Blocks of each stage, first to last, summing to num_layers (e.g. [7, 7, 6, 6] for 26 layers on pp=4); null: num_layers / pp each."""
 
 
 @dataclass
@@ -167,6 +175,8 @@ class ModelConfig:
     """Attention implementation: auto (cuDNN on NVIDIA GPUs in bf16/fp16 when it can, else XLA), xla or cudnn."""
     init_from: str | None = None
     """hf:/path/to/dir: start from a local Hugging Face checkpoint; null: random init."""
+    pipeline: StageLayout = field(default_factory=StageLayout)
+    """Stages of a pp mesh axis (docs/parallelism.md#pipeline-parallelism)."""
 
 
 @dataclass
@@ -219,9 +229,11 @@ class PipelineConfig:
     (docs/parallelism.md#pipeline-parallelism)."""
 
     schedule: str = "gpipe"  # PipelineSchedule
-    """gpipe (all forwards, then all backwards) or 1f1b (a backward as soon as it can run: the activations of at most ~2 × pp micro-batches are kept, and each stage recomputes its forward)."""
+    """gpipe (all forwards, then all backwards), circular (gpipe with each stage's layers in `repeats` chunks that micro-batches loop through: a smaller bubble) or 1f1b (a backward as soon as it can run: the inputs of at most 2 × pp - 1 micro-batches are kept, and each stage recomputes its forward)."""
     microbatches: int | None = None
-    """Pipeline micro-batches each micro-batch is split into; null: pp. The bubble is (pp - 1) / (microbatches + pp - 1)."""
+    """Pipeline micro-batches each micro-batch is split into; null: pp. The bubble is (pp - 1) / (microbatches + pp - 1) with gpipe."""
+    repeats: int | None = None
+    """circular: chunks of layers per stage, each micro-batch passing every stage `repeats` times; the bubble is (pp - 1) / (repeats × microbatches + pp - 1). null: 2, or the smallest number above 1 that divides the layers per stage; only with schedule=circular."""
 
 
 @dataclass

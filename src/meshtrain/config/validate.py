@@ -9,6 +9,7 @@ are opened, still before anything compiles: `meshtrain.train.setup.prepare` call
 from __future__ import annotations
 
 from meshtrain.accelerators import accelerator_named
+from meshtrain.config.pipeline import check_pipeline
 from meshtrain.config.schema import (
     Activation,
     AttentionImpl,
@@ -30,30 +31,23 @@ from meshtrain.config.schema import (
     RopeScaling,
     choices,
 )
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, require
 from meshtrain.parallel.mesh import MeshSpec
 from meshtrain.parallel.rules import check_rules, mesh_axes_for
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
 def _one_of(key: str, value: str, choices: tuple[str, ...]) -> None:
-    _require(
-        value in choices, f"{key}={value!r} is not supported; use one of: {', '.join(choices)}"
-    )
+    require(value in choices, f"{key}={value!r} is not supported; use one of: {', '.join(choices)}")
 
 
 def _positive(key: str, value: int | float) -> None:
-    _require(value > 0, f"{key}={value} must be positive")
+    require(value > 0, f"{key}={value} must be positive")
 
 
 def _check_data(data: DataConfig) -> None:
     """The data keys that need no file; the files themselves are checked as they are opened
     (meshtrain.data), the tokenizer where it is built."""
-    _require(
+    require(
         data.source != "text_files",
         "data.source=text_files is now data.source=text (data=text, or data=stdlib for the "
         "standard library); data.path and data.glob work as before",
@@ -61,45 +55,45 @@ def _check_data(data: DataConfig) -> None:
     _one_of("data.source", data.source, choices(DataSource))
     _one_of("data.on_bad_record", data.on_bad_record, choices(BadRecordPolicy))
     _positive("data.seq_len", data.seq_len)
-    _require(
+    require(
         0.0 <= data.validation_fraction < 1.0,
         f"data.validation_fraction={data.validation_fraction} must be in [0, 1), e.g. 0.05",
     )
-    _require(data.workers >= 0, f"data.workers={data.workers} must be >= 0 (0: no read-ahead)")
-    _require(bool(data.text_key), "data.text_key is empty; name the field that holds the text")
+    require(data.workers >= 0, f"data.workers={data.workers} must be >= 0 (0: no read-ahead)")
+    require(bool(data.text_key), "data.text_key is empty; name the field that holds the text")
     if data.source == "synthetic":
-        _require(
+        require(
             not data.mixture and not data.paths,
             "data.source=synthetic reads no files; drop data.mixture and data.paths, or use "
             "data.source=text",
         )
         return
     if data.mixture:
-        _require(
+        require(
             not data.paths,
             "data.paths and data.mixture are both set; list the paths in the mixture's sources",
         )
         names = [source.name for source in data.mixture]
         for i, source in enumerate(data.mixture):
             key = f"data.mixture[{i}]"
-            _require(
+            require(
                 source.weight > 0,
                 f"{key}.weight={source.weight} must be > 0; drop source {source.name!r} from "
                 "data.mixture to leave it out",
             )
-            _require(bool(source.paths), f"{key}.paths is empty; list its files or globs")
-            _require(
+            require(bool(source.paths), f"{key}.paths is empty; list its files or globs")
+            require(
                 bool(source.name) and source.name not in names[:i],
                 f"{key}.name={source.name!r} must be a unique, non-empty name",
             )
     elif data.source == "text":
-        _require(
+        require(
             bool(data.paths) or data.glob is not None,
             "data=text needs data.paths: files, directories or globs of documents, e.g. "
             "'data.paths=[corpus/*.jsonl]'",
         )
     elif data.source == "prepared":
-        _require(
+        require(
             data.path is not None,
             "data.source=prepared needs data.path=DIR, a directory made by "
             "python -m meshtrain.data.prepare --out DIR ...",
@@ -118,12 +112,12 @@ def check_config(cfg: Config) -> None:
         "mlp_dim",
     ):
         _positive(f"model.{key}", getattr(model, key))
-    _require(
+    require(
         model.num_heads % model.num_kv_heads == 0,
         f"model.num_kv_heads={model.num_kv_heads} does not divide model.num_heads={model.num_heads}; "
         "grouped-query attention shares each key/value head among a whole number of query heads",
     )
-    _require(
+    require(
         model.head_dim % 2 == 0,
         f"model.head_dim={model.head_dim} must be even for rotary embeddings",
     )
@@ -151,6 +145,14 @@ def check_config(cfg: Config) -> None:
     _one_of("training.pipeline.schedule", training.pipeline.schedule, choices(PipelineSchedule))
     if training.pipeline.microbatches is not None:
         _positive("training.pipeline.microbatches", training.pipeline.microbatches)
+    if training.pipeline.repeats is not None:
+        _positive("training.pipeline.repeats", training.pipeline.repeats)
+        require(
+            training.pipeline.schedule == "circular",
+            f"training.pipeline.repeats={training.pipeline.repeats} applies to the circular "
+            f"schedule, not {training.pipeline.schedule}; add training.pipeline.schedule=circular "
+            "or drop training.pipeline.repeats",
+        )
     accum = training.gradient_accumulation_steps
     if accum % training.sync_gradients_every:
         valid = ", ".join(str(k) for k in range(1, accum + 1) if accum % k == 0)
@@ -158,21 +160,21 @@ def check_config(cfg: Config) -> None:
             f"training.sync_gradients_every={training.sync_gradients_every} does not divide "
             f"training.gradient_accumulation_steps={accum}; use one of {valid}"
         )
-    _require(
+    require(
         training.warmup_steps >= 0, f"training.warmup_steps={training.warmup_steps} must be >= 0"
     )
-    _require(
+    require(
         0.0 <= training.min_lr_ratio <= 1.0,
         f"training.min_lr_ratio={training.min_lr_ratio} must be in [0, 1]",
     )
-    _require(
+    require(
         training.weight_decay >= 0, f"training.weight_decay={training.weight_decay} must be >= 0"
     )
-    _require(
+    require(
         training.grad_clip >= 0,
         f"training.grad_clip={training.grad_clip} must be >= 0 (0 disables clipping)",
     )
-    _require(
+    require(
         training.eval_every >= 0,
         f"training.eval_every={training.eval_every} must be >= 0 (0 disables eval)",
     )
@@ -182,7 +184,7 @@ def check_config(cfg: Config) -> None:
         ("data.cache_dir", data.cache_dir),
         ("training.compilation_cache_dir", training.compilation_cache_dir),
     ):
-        _require(
+        require(
             value is None or value.strip() != "",
             f"{key}={value!r} names no directory; use auto, a directory, or null (no cache)",
         )
@@ -190,14 +192,14 @@ def check_config(cfg: Config) -> None:
     profile, plan = cfg.profile, cfg.plan
     _positive("profile.start_step", profile.start_step)
     _positive("profile.num_steps", profile.num_steps)
-    _require(
+    require(
         not training.profile or training.dry_run or profile.start_step <= training.steps,
         f"profile.start_step={profile.start_step} comes after the last step "
         f"(training.steps={training.steps}); use profile.start_step={min(5, training.steps)}",
     )
     if plan.device is not None:
         accelerator_named(plan.device)
-    _require(
+    require(
         0.0 < plan.memory_fraction <= 1.0,
         f"plan.memory_fraction={plan.memory_fraction} must be in (0, 1], e.g. 0.9",
     )
@@ -211,7 +213,7 @@ def _check_model_flavour(cfg: Config) -> None:
     model = cfg.model
     _one_of("model.family", model.family, choices(Family))
     pattern = "[" + ",".join(model.attention_pattern) + "]"
-    _require(
+    require(
         bool(model.attention_pattern)
         and all(k in choices(LayerKind) for k in model.attention_pattern),
         f"model.attention_pattern={pattern} must be a non-empty list of "
@@ -219,7 +221,7 @@ def _check_model_flavour(cfg: Config) -> None:
     )
     if "local" in model.attention_pattern:
         window = "null" if model.sliding_window is None else model.sliding_window
-        _require(
+        require(
             model.sliding_window is not None and model.sliding_window > 0,
             f"model.sliding_window={window} must be a positive number of tokens because "
             f"model.attention_pattern={pattern} has local layers",
@@ -229,7 +231,7 @@ def _check_model_flavour(cfg: Config) -> None:
     _one_of("model.rope_scaling", model.rope_scaling, choices(RopeScaling))
     _positive("model.rope_scaling_factor", model.rope_scaling_factor)
     if model.rope_scaling == "llama3":
-        _require(
+        require(
             model.rope_high_freq_factor > model.rope_low_freq_factor > 0,
             f"model.rope_high_freq_factor={model.rope_high_freq_factor} must be greater than "
             f"model.rope_low_freq_factor={model.rope_low_freq_factor} > 0 for llama3 scaling",
@@ -242,7 +244,7 @@ def _check_model_flavour(cfg: Config) -> None:
     # (meshtrain.models.abstract.abstract_model), still before anything compiles.
     _one_of("model.attention", model.attention, choices(AttentionImpl))
     _positive("model.max_seq_len", model.max_seq_len)
-    _require(
+    require(
         cfg.data.seq_len <= model.max_seq_len,
         f"data.seq_len={cfg.data.seq_len} is longer than model.max_seq_len={model.max_seq_len} "
         f"of model {model.name}; use data.seq_len <= {model.max_seq_len}",
@@ -291,55 +293,14 @@ def check_against_mesh(cfg: Config, mesh: MeshSpec) -> None:
                 f"use a multiple of {per_update}, e.g. {per_update * max(1, training.global_batch_size // per_update)}"
             )
     if mesh.sizes["pp"] > 1:
-        _check_pipeline(cfg, mesh)
-
-
-def _check_pipeline(cfg: Config, mesh: MeshSpec) -> None:
-    """A pp axis: stacked blocks that split into equal stages, and pipeline micro-batches that
-    split each micro-batch into whole batch shards."""
-    model, pipeline = cfg.model, cfg.training.pipeline
-    stages = mesh.sizes["pp"]
-    _require(
-        model.scan_layers,
-        f"model.mesh_shape has pp={stages}: pipeline stages hold slices of the stacked blocks; "
-        "add model.scan_layers=true",
-    )
-    _require(
-        mesh_axes_for("layers", model.logical_axis_rules) == ("pp",),
-        f"model.logical_axis_rules.layers={model.logical_axis_rules.get('layers')!r} with "
-        f"pp={stages} in model.mesh_shape: each stage holds its own layers; set "
-        "model.logical_axis_rules.layers=pp",
-    )
-    if model.num_layers % stages:
-        options = ", ".join(
-            str(d) for d in range(1, model.num_layers + 1) if model.num_layers % d == 0
+        check_pipeline(cfg, mesh, micro_batch_size(cfg, mesh))
+    else:
+        require(
+            cfg.model.pipeline.layers_per_stage is None,
+            f"model.pipeline.layers_per_stage={cfg.model.pipeline.layers_per_stage} splits the "
+            "layers into pipeline stages, but model.mesh_shape has no pp axis; add one (e.g. "
+            "[[2,-1],[pp,fsdp]]) or drop model.pipeline.layers_per_stage",
         )
-        raise ConfigError(
-            f"pp={stages} in model.mesh_shape does not split model.num_layers={model.num_layers} "
-            f"into equal stages; use pp in {{{options}}}"
-        )
-    shards = mesh.size(*mesh_axes_for("batch", model.logical_axis_rules))
-    rows = micro_batch_size(cfg, mesh) * shards
-    count = pipeline_microbatches(cfg, mesh)
-    if rows % count or (rows // count) % shards:
-        options = ", ".join(
-            str(m) for m in range(1, rows + 1) if rows % m == 0 and (rows // m) % shards == 0
-        )
-        raise ConfigError(
-            f"training.pipeline.microbatches={count} does not split the micro-batch of {rows} "
-            f"sequences into whole batch shards ({shards} per pipeline micro-batch); use one of "
-            f"{options}"
-        )
-    _require(
-        pipeline.schedule != "1f1b" or count >= stages,
-        f"training.pipeline.microbatches={count} is fewer than the pp={stages} stages; "
-        f"1f1b needs at least {stages}: use training.pipeline.microbatches={2 * stages}",
-    )
-
-
-def pipeline_microbatches(cfg: Config, mesh: MeshSpec) -> int:
-    """Pipeline micro-batches per micro-batch: training.pipeline.microbatches, else pp."""
-    return cfg.training.pipeline.microbatches or mesh.sizes["pp"]
 
 
 def check_model_on_mesh(model: ModelConfig, mesh: MeshSpec) -> None:

@@ -69,14 +69,33 @@ def fit_kv_heads(cfg: ModelConfig, mesh_spec: MeshSpec) -> ModelConfig:
     return dataclasses.replace(cfg, logical_axis_rules={**cfg.logical_axis_rules, "kv_heads": None})
 
 
+def whole_stacked_layers(cfg: ModelConfig, mesh_spec: MeshSpec) -> str | None:
+    """Why every pipeline stage stores all the stacked blocks (a log line), or None when the
+    mesh axes of `layers` (pp) divide model.num_layers, as they must unless
+    model.pipeline.layers_per_stage sets uneven stages (Gemma 3 1B's 26 layers on pp=4)."""
+    stages = mesh_spec.size(*mesh_axes_for("layers", cfg.logical_axis_rules))
+    if not cfg.scan_layers or cfg.num_layers % stages == 0:
+        return None
+    return (
+        f"pp={stages} does not divide model.num_layers={cfg.num_layers}: every stage stores "
+        "all the stacked blocks (sharded over the other axes as without pp) and runs the "
+        f"layers of model.pipeline.layers_per_stage={cfg.pipeline.layers_per_stage}"
+    )
+
+
 def abstract_model(cfg: ModelConfig, mesh: Mesh, mesh_spec: MeshSpec) -> AbstractModel:
     """Abstract init (shapes only) plus the logical rules → shardings; checks that the heads,
     MLP and vocabulary divide over the mesh (one line naming the sizes that would work), even
     division of every parameter, and that model.attention can run on the mesh's devices.
-    Key/value heads that the mesh cannot split are replicated (fit_kv_heads)."""
+    Key/value heads that the mesh cannot split are replicated (fit_kv_heads), and so are the
+    stacked blocks over stages that do not divide them (whole_stacked_layers)."""
     check_attention(cfg.attention, mesh.devices.flat[0])
     check_model_on_mesh(cfg, mesh_spec)
     cfg = fit_kv_heads(cfg, mesh_spec)
+    if whole_stacked_layers(cfg, mesh_spec):
+        cfg = dataclasses.replace(
+            cfg, logical_axis_rules={**cfg.logical_axis_rules, "layers": None}
+        )
     shapes_only = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(shapes_only, nnx.Param)
     specs = nnx.to_pure_dict(param_specs(abstract_state, cfg.logical_axis_rules))

@@ -26,6 +26,8 @@ Masked keys get probability exactly 0 in every kernel.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import jax
@@ -37,11 +39,24 @@ from meshtrain.errors import ConfigError
 AttentionKernel = Literal["xla", "chunked", "cudnn"]
 """What actually runs (see the module docstring); `select_attention` maps model.attention to one."""
 
+
 # Queries per block of the chunked kernel: the sequence in at most CHUNK_BLOCKS blocks (a
 # bounded program; causal attention then computes (n + 1) / 2n of the full score matrix), of at
 # least MIN_CHUNK_QUERIES queries (smaller blocks cost more in overhead than they skip).
 # Measured on one CPU core, fwd + bwd of causal attention with 4 heads of 64: T=256 in blocks
 # of 64 takes 0.66× the time of the xla kernel, T=2048 in blocks of 256 0.54×.
+@dataclass(frozen=True)
+class WindowOfKind:
+    """The sliding window of a layer whose kind is traced (a scan over stacked layers of
+    several kinds): windows[kind], each entry an int or None (full causal). Only the attention
+    itself branches on the kind: the rest of the layer, and any collective in it, runs the same
+    on every device, whatever kind each holds (pipeline stages run layers of different kinds
+    at the same step of their scans)."""
+
+    kind: jax.Array  # int32 scalar
+    windows: tuple[int | None, ...]
+
+
 CHUNK_BLOCKS = 16
 MIN_CHUNK_QUERIES = 64
 _HALF_PRECISION = (jnp.bfloat16, jnp.float16)
@@ -189,16 +204,24 @@ def dot_product_attention(
     *,
     kernel: AttentionKernel,
     scale: float | None = None,
-    window: int | None = None,
+    window: int | WindowOfKind | None = None,
     segment_ids: jax.Array | None = None,
     block: int | None = None,
 ) -> jax.Array:
     """Causal self-attention. q: [B, T, N, H]; k, v: [B, T, K, H] with K dividing N;
     segment_ids: optional int32 [B, T]; window: optional sliding window (keys per query, itself
-    included). Returns [B, T, N, H] in q's dtype; scores are scaled by `scale` (default
+    included), or the windows of a traced layer kind (WindowOfKind). Returns [B, T, N, H] in q's dtype; scores are scaled by `scale` (default
     1/sqrt(H)) and the softmax runs in fp32. block: queries per block of the chunked kernel
     (default: chunk_queries(T))."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if isinstance(window, WindowOfKind):
+        attend = partial(
+            dot_product_attention, kernel=kernel, scale=scale, segment_ids=segment_ids, block=block
+        )
+        if len(set(window.windows)) == 1:
+            return attend(q, k, v, window=window.windows[0])
+        branches = [partial(attend, window=w) for w in window.windows]
+        return jax.lax.switch(window.kind, branches, q, k, v)
     if kernel == "xla":
         return _plain(q, k, v, scale=scale, window=window, segment_ids=segment_ids)
     if kernel == "chunked":

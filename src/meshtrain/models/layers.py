@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtrain.config.schema import RopeScaling
-from meshtrain.models.attention import AttentionKernel, dot_product_attention
+from meshtrain.models.attention import AttentionKernel, WindowOfKind, dot_product_attention
 from meshtrain.parallel.rules import Rules, constrain, mesh_axes_for
 
 
@@ -189,11 +189,12 @@ class Attention(nnx.Module):
         cos: jax.Array,
         *,
         kernel: AttentionKernel,
-        window: int | None = None,
+        window: int | WindowOfKind | None = None,
         segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         """x: [B, T, D] → [B, T, D]; sin, cos: [B, T, 1, H/2] (rope_angles); window: this
-        layer's sliding window (None: full causal); segment_ids: optional int32 [B, T]."""
+        layer's sliding window (None: full causal), or those of a traced kind (WindowOfKind);
+        segment_ids: optional int32 [B, T]."""
         q, k, v = self.queries_keys_values(x, sin, cos)
         k, v = self.expand_kv(k, v)
         # Query head n reads key/value head n // G (G = N / K), so the tp sharding of the heads

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from meshtrain.config.schema import LayerKind, ModelConfig, RematPolicy, choices
-from meshtrain.models.attention import AttentionKernel, select_attention
+from meshtrain.models.attention import AttentionKernel, WindowOfKind, select_attention
 from meshtrain.models.layers import (
     Attention,
     GatedMLP,
@@ -124,7 +124,7 @@ class Block(nnx.Module):
         cos: jax.Array,
         *,
         kernel: AttentionKernel,
-        window: int | None = None,
+        window: int | WindowOfKind | None = None,
         segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         """x: [B, T, D] → [B, T, D]; sin, cos and window of this layer's kind (see Attention)."""
@@ -320,30 +320,39 @@ class Transformer(nnx.Module):
         kinds: jax.Array,
         kernel: AttentionKernel,
         segment_ids: jax.Array | None,
+        active: jax.Array | None = None,
     ) -> jax.Array:
         """Runs stacked blocks in a lax.scan: `stacked` is the state of scan_layers' `blocks`
-        (or a slice of its layers: a pipeline stage's), kinds int32 [layers] the index in
-        per_kind of each layer's kind; x [B, T, D] → [B, T, D]."""
+        (or a pipeline stage's layers), kinds int32 [layers] the index in per_kind of each
+        layer's kind; x [B, T, D] → [B, T, D]. active bool [layers]: a layer where false passes
+        x through (a pipeline stage's slot beyond its layers); None: all run."""
         policy = REMAT_POLICIES[self.remat]
 
-        def layer(x: jax.Array, params_and_kind) -> tuple[jax.Array, None]:
-            params, kind = params_and_kind
+        def angles_and_window(kind: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
+            return per_kind[0]
 
-            def block(k: int):
-                sin, cos, window = per_kind[k]
-                return lambda x: nnx.merge(graphdef, params)(
-                    x, sin, cos, kernel=kernel, window=window, segment_ids=segment_ids
-                )
+        if len(per_kind) > 1:  # RoPE by kind [K, B, T, 1, H/2], indexed by the layer's kind
+            sins, coses = (jnp.stack([angles[i] for angles in per_kind]) for i in (0, 1))
+            windows = tuple(window for _, _, window in per_kind)
 
-            if len(per_kind) == 1:
-                return block(0)(x), None
-            # Each kind's window and RoPE are static inside its branch (the kernels slice
-            # by the window); only the branch of this layer's kind runs.
-            return jax.lax.switch(kind, [block(k) for k in range(len(per_kind))], x), None
+            def angles_and_window(kind: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
+                return sins[kind], coses[kind], WindowOfKind(kind, windows)
+
+        def run(x: jax.Array, params: nnx.State, kind: jax.Array) -> jax.Array:
+            sin, cos, window = angles_and_window(kind)
+            block = nnx.merge(graphdef, params)
+            return block(x, sin, cos, kernel=kernel, window=window, segment_ids=segment_ids)
+
+        def layer(x: jax.Array, slot) -> tuple[jax.Array, None]:
+            if active is None:
+                return run(x, *slot), None
+            params, kind, on = slot
+            return jnp.where(on, run(x, params, kind), x), None
 
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, (stacked, kinds))
+        xs = (stacked, kinds) if active is None else (stacked, kinds, active)
+        x, _ = jax.lax.scan(layer, x, xs)
         return x
 
 

@@ -91,8 +91,9 @@ class MemoryPlan:
     # each device sums micro-batches in, whole along fsdp (the parameters of one replica over
     # tp); within the temporaries. 0 when gradients are reduced as they are computed.
     unsharded_grad_bytes: int = 0
-    # With a pp axis: stages, microbatches, schedule, bubble and microbatches_alive (the
-    # pipeline micro-batches whose activations a stage keeps at once), train.pipeline's.
+    # With a pp axis: stages, microbatches, schedule, repeats, layers_per_stage, ticks, bubble
+    # and microbatches_alive (the pipeline micro-batches whose activations a stage keeps at
+    # once), train.pipeline_plan's.
     pipeline: dict[str, Any] | None = None
 
     @property
@@ -172,9 +173,11 @@ class MemoryPlan:
             )
         if self.pipeline:
             pipe = self.pipeline
+            repeats = f" × {pipe['repeats']} repeats" if pipe["schedule"] == "circular" else ""
             lines.append(
                 f"  pipeline            {pipe['stages']} stages × {pipe['microbatches']} "
-                f"micro-batches, {pipe['schedule']}: bubble {pipe['bubble']:.1%}, activations of "
+                f"micro-batches, {pipe['schedule']}{repeats}: bubble {pipe['bubble']:.1%}, "
+                "activations of "
                 f"{pipe['microbatches_alive']} micro-batch(es) per stage (in the temporaries)"
             )
         lines += [

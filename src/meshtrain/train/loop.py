@@ -32,6 +32,7 @@ from meshtrain.train.evaluation import make_evaluator
 from meshtrain.train.guard import raise_if_nonfinite
 from meshtrain.train.initial_weights import check_initial_weights, load_initial_params
 from meshtrain.train.optimizer import build_optimizer
+from meshtrain.train.pipeline_plan import measure_bubble
 from meshtrain.train.setup import (
     Setup,
     compile_train_step,
@@ -111,7 +112,7 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
                 run_dir,
                 enabled=training.profile,
                 last_step=training.steps,
-                on_trace=_report_measured_communication(communication, cfg, run_dir, is_main),
+                on_trace=_report_measured(setup, communication, run_dir, is_main),
             ) as profiler,
         ):
             for step in range(start_step + 1, training.steps + 1):
@@ -271,15 +272,19 @@ def _save_checkpoint(
     return True
 
 
-def _report_measured_communication(
-    communication: CommunicationReport, cfg: Config, run_dir: Path, is_main: bool
+def _report_measured(
+    setup: Setup, communication: CommunicationReport, run_dir: Path, is_main: bool
 ) -> Callable[[Path, int], None]:
-    """The profiler's hook: the collectives' measured share of the traced steps."""
+    """The profiler's hook: the collectives' measured share of the traced steps, and the
+    pipeline's measured bubble."""
 
     def on_trace(trace: Path, num_steps: int) -> None:
-        for line in communication.measure(trace, num_steps):
+        lines = communication.measure(trace, num_steps)
+        if setup.pipeline is not None:
+            lines += measure_bubble(setup.pipeline, communication, setup.mesh, trace, num_steps)
+        for line in lines:
             log.info(line)
-        if cfg.training.profile_communication and is_main:
+        if setup.cfg.training.profile_communication and is_main:
             communication.write(run_dir / "communication.json")
 
     return on_trace

@@ -1,12 +1,19 @@
 """Pipeline parallelism over the `pp` mesh axis: the stacked blocks split into stages, the
 micro-batch split into pipeline micro-batches that flow through them.
 
-Stage s holds layers [s·L/S, (s+1)·L/S) of the stacked blocks (model.scan_layers): their first
-axis is split over `pp` (logical axis `layers`), so a stage's parameters and optimizer state
-live on that stage's devices only, and the saved layout is the one without pp. Within a stage,
-fsdp, tp and dp shard as everywhere else. The embedding, the final norm and the output head are
-not split over pp: every stage holds them (sharded over fsdp and tp as usual); the loss of the
-pipeline micro-batches is computed with its rows split over pp as well (`loss_rules`).
+The stacked blocks (model.scan_layers) are stored with their first axis split over `pp` (logical
+axis `layers`): stage s stores layers [s·L/S, (s+1)·L/S), so a stage's master weights and
+optimizer state live on that stage's devices only, and the saved layout is the one without pp.
+Within a stage, fsdp, tp and dp shard as everywhere else. The embedding, the final norm and the
+output head are not split over pp: every stage holds them (sharded over fsdp and tp as usual);
+the loss of the pipeline micro-batches is computed with its rows split over pp as well
+(`loss_rules`).
+
+Where a stage runs other layers than it stores, the step first moves the compute-dtype weights
+into stage order (`layer_table`): the circular schedule's interleaved chunks are one all-to-all
+over pp per step; uneven stages (model.pipeline.layers_per_stage) gather the layers each stage
+runs, a stage's slots beyond its own count being skipped (computed and discarded: every tick
+lasts as long as the longest stage's anyway). The gradients flow back by the transpose.
 
 The stages run inside one `jax.shard_map` that is manual over `pp` only. Each tick, every stage
 runs its layers on the activations it holds, then `jax.lax.ppermute` hands them to the next
@@ -14,87 +21,64 @@ stage (collective-permutes on the pp axis). Schedules (training.pipeline.schedul
 
 - **gpipe**: the forwards of all M pipeline micro-batches, M + S - 1 ticks; the backward pass is
   JAX's transpose of that loop, so the activations of all M micro-batches are kept.
+- **circular**: gpipe with each stage's layers in R chunks (training.pipeline.repeats), stage s
+  holding chunks s, S + s, 2S + s...; a micro-batch leaving the last stage goes round to the
+  first again until it has passed R times: R·M + S - 1 ticks of 1/R of the layers each.
 - **1f1b**: one forward and one backward per tick (masked where a stage has no micro-batch), the
   backward of a micro-batch starting at the last stage right after its forward: a stage keeps
   the inputs of at most 2S - 1 micro-batches, whatever M is, and recomputes its forward in the
   backward (jax.vjp), as model.remat=full would.
 
-Both have the bubble (S - 1) / (M + S - 1) of the ticks.
+Every stage computes at every tick, the ticks without a micro-batch being discarded: the bubble
+is the share of such ticks, (S - 1) / (M + S - 1) for gpipe, (S - 1) / (R·M + S - 1) for
+circular and 2(S - 1) / (M + 2(S - 1)) for 1f1b (whose warm-up ticks have no backward and
+cool-down ticks no forward).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from meshtrain.config.schema import Config
-from meshtrain.config.validate import pipeline_microbatches
 from meshtrain.models.attention import AttentionKernel
 from meshtrain.models.transformer import Transformer
-from meshtrain.parallel.mesh import MeshSpec
 from meshtrain.parallel.rules import Rules, mesh_axes_for
-
-AXIS = "pp"
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    """S stages, M pipeline micro-batches per micro-batch, and the schedule that runs them."""
-
-    stages: int
-    microbatches: int
-    schedule: str  # PipelineSchedule
-
-    @property
-    def ticks(self) -> int:
-        """Forward ticks (gpipe) or forward-and-backward ticks (1f1b): M + S - 1, resp. M + 2S - 2."""
-        extra = 2 * (self.stages - 1) if self.schedule == "1f1b" else self.stages - 1
-        return self.microbatches + extra
-
-    @property
-    def bubble(self) -> float:
-        """Share of a stage's time spent idle, by the formula: (S - 1) / (M + S - 1)."""
-        return (self.stages - 1) / (self.microbatches + self.stages - 1)
-
-    @property
-    def microbatches_alive(self) -> int:
-        """Pipeline micro-batches whose activations a stage holds at once, at most: gpipe keeps
-        every one for the backward pass; 1f1b the inputs of those between forward and backward."""
-        if self.schedule == "1f1b":
-            return min(self.microbatches, 2 * self.stages - 1)
-        return self.microbatches
-
-    def to_json(self) -> dict[str, Any]:
-        """plan.json's `pipeline` entry."""
-        return {
-            "stages": self.stages,
-            "microbatches": self.microbatches,
-            "schedule": self.schedule,
-            "bubble": self.bubble,
-            "microbatches_alive": self.microbatches_alive,
-        }
-
-    def describe(self) -> str:
-        return (
-            f"pipeline: {self.stages} stages, {self.microbatches} micro-batches, {self.schedule}: "
-            f"bubble {self.bubble:.1%} ((S-1)/(M+S-1)), activations of "
-            f"{self.microbatches_alive} micro-batch(es) alive per stage"
-        )
+from meshtrain.train.pipeline_plan import AXIS, PipelinePlan, layer_table
 
 
-def pipeline_plan(cfg: Config, mesh: MeshSpec) -> PipelinePlan | None:
-    """The run's pipeline, or None without a pp axis of size > 1."""
-    if mesh.sizes["pp"] == 1:
+def _on_stages(a: jax.Array) -> jax.Array:
+    """`a` [S·R·C, ...] with its first axis split over pp (the rest as XLA chooses)."""
+    spec = PartitionSpec(AXIS, *[PartitionSpec.UNCONSTRAINED] * (a.ndim - 1))
+    return jax.lax.with_sharding_constraint(a, spec)
+
+
+def arrangement(plan: PipelinePlan, table: np.ndarray) -> Callable[[Any], Any] | None:
+    """stacked block leaves [L, ...] → [S·R·C, ...] in stage order (layer_table, flattened),
+    or None where that is the stored order (even stages, one repeat). Circular: [R, S, C] →
+    [S, R, C], one all-to-all over pp; uneven: a gather of each stage's layers (XLA gathers
+    the stored blocks over pp first: the compute-dtype blocks of every stage, transiently)."""
+    stages, repeats, width = table.shape
+    if repeats > 1:
+
+        def move(a: jax.Array) -> jax.Array:
+            chunks = a.reshape(repeats, stages, width, *a.shape[1:]).swapaxes(0, 1)
+            return _on_stages(chunks.reshape(a.shape))
+
+    elif plan.layers_per_stage:
+        index = np.maximum(table.ravel(), 0)
+
+        def move(a: jax.Array) -> jax.Array:
+            return _on_stages(jnp.take(a, index, axis=0))
+
+    else:
         return None
-    return PipelinePlan(
-        mesh.sizes["pp"], pipeline_microbatches(cfg, mesh), cfg.training.pipeline.schedule
-    )
+    return lambda tree: jax.tree.map(move, tree)
 
 
 def loss_rules(rules: Rules, plan: PipelinePlan) -> Rules:
@@ -115,15 +99,42 @@ def _to_previous_stage(x: jax.Array, stages: int) -> jax.Array:
 
 
 def _stage_runner(net: Transformer, kernel: AttentionKernel) -> Callable[..., jax.Array]:
-    """(stage's stacked block state, its kinds [L/S], x [b, T, D], positions [b, T],
-    segment_ids [b, T] or None) → x after the stage's layers."""
+    """(stage's stacked block state, its kinds int32 [layers], which of its slots hold a layer
+    bool [layers] or None for all, x [b, T, D], positions [b, T], segment_ids [b, T] or None)
+    → x after the stage's layers."""
     graphdef = nnx.graphdef(net.blocks)
 
-    def run(stacked: Any, kinds: jax.Array, x: jax.Array, positions, segment_ids) -> jax.Array:
+    def run(stacked: Any, kinds: jax.Array, active, x: jax.Array, positions, segment_ids):
         per_kind = net.rope_per_kind(positions)
-        return net.scan_blocks(graphdef, stacked, x, per_kind, kinds, kernel, segment_ids)
+        return net.scan_blocks(
+            graphdef, stacked, x, per_kind, kinds, kernel, segment_ids, active=active
+        )
 
     return run
+
+
+def _stage_layers(
+    net: Transformer, plan: PipelinePlan
+) -> tuple[Callable[[Any], Any] | None, jax.Array, jax.Array | None]:
+    """The blocks' move into stage order (`arrangement`, None: as stored), and in stage order
+    each slot's layer kind int32 [S·R·C] and, for uneven stages, whether it holds a layer
+    bool [S·R·C] (None: every slot does)."""
+    table = layer_table(plan, len(net.kind_index))
+    kinds = jnp.asarray(np.asarray(net.kind_index)[np.maximum(table, 0)].ravel(), jnp.int32)
+    active = jnp.asarray(table >= 0).ravel() if plan.layers_per_stage else None
+    return arrangement(plan, table), kinds, active
+
+
+def _chunk(tree: Any, repeat: jax.Array, repeats: int) -> Any:
+    """A circular stage's chunk `repeat` of its [R·C, ...] leaves: rows [repeat·C, +C)."""
+    if repeats == 1:
+        return tree
+
+    def rows(a: jax.Array) -> jax.Array:
+        width = a.shape[0] // repeats
+        return jax.lax.dynamic_slice_in_dim(a, repeat * width, width)
+
+    return jax.tree.map(rows, tree)
 
 
 def _varying(tree: Any) -> Any:
@@ -176,7 +187,7 @@ def _microbatch(a: jax.Array | None, index: jax.Array) -> jax.Array | None:
     return None if a is None else jax.lax.dynamic_index_in_dim(a, index, keepdims=False)
 
 
-def gpipe_hidden(
+def pipelined_hidden(
     net: Transformer,
     x: jax.Array,
     positions: jax.Array,
@@ -184,48 +195,68 @@ def gpipe_hidden(
     plan: PipelinePlan,
     kernel: AttentionKernel,
 ) -> jax.Array:
-    """The blocks of `net` run as a GPipe pipeline: x [B, T, D] (embedded) → [B, T, D] (before
-    the final norm), positions and segment_ids int32 [B, T] (segment_ids may be None).
+    """The blocks of `net` run as a GPipe or circular pipeline: x [B, T, D] (embedded) →
+    [B, T, D] (before the final norm), positions and segment_ids int32 [B, T] (segment_ids may
+    be None).
 
-    The result's rows are split over pp (each stage receives M / S pipeline micro-batches by a
-    reduce-scatter) where M divides over the stages, else every stage holds all of them."""
-    stages, count = plan.stages, plan.microbatches
+    Tick t, stage s runs item t - s: repeat (t - s) // M of micro-batch (t - s) % M. A circular
+    micro-batch leaving the last stage reaches the first at tick item + S and waits there for
+    its next pass (M ≥ S ticks later). The result's rows are split over pp (each stage receives
+    M / S pipeline micro-batches by a reduce-scatter) where M divides over the stages, else
+    every stage holds all of them."""
+    stages, count, repeats = plan.stages, plan.microbatches, plan.repeats
+    items = repeats * count
     scatter = count % stages == 0
     run_stage = _stage_runner(net, kernel)
+    arrange, kinds, active = _stage_layers(net, plan)
     stacked = nnx.state(net.blocks)
-    kinds = jnp.asarray(net.kind_index, jnp.int32)
+    stacked = stacked if arrange is None else arrange(stacked)
 
-    def body(stacked, kinds, xs, positions, segment_ids):
+    def body(stacked, kinds, active, xs, positions, segment_ids):
         stage = jax.lax.axis_index(AXIS)
         xs = _varying(xs)  # read by stage 0 only; explicit, for the fp32 sum of its transpose
 
         def tick(carry, t):
-            held, outputs = carry
-            index = jnp.clip(t - stage, 0, count - 1)  # the micro-batch this stage works on
-            held = jnp.where(stage == 0, _microbatch(xs, index), held)
+            arrived, waiting, outputs = carry
+            item = jnp.clip(t - stage, 0, items - 1)
+            repeat, index = item // count, item % count
+            fresh = _microbatch(xs, index)
+            if repeats > 1:  # stage 0: outputs of the last stage wait for their next pass
+                back = t - stages
+                returning = (stage == 0) & (back >= 0) & (back < items - count)
+                waiting = _store(waiting, jnp.clip(back, 0, items - 1) % count, arrived, returning)
+                fresh = jnp.where(repeat == 0, fresh, _microbatch(waiting, index))
             y = run_stage(
-                stacked, kinds, held, _microbatch(positions, index), _microbatch(segment_ids, index)
+                _chunk(stacked, repeat, repeats),
+                _chunk(kinds, repeat, repeats),
+                _chunk(active, repeat, repeats),
+                jnp.where(stage == 0, fresh, arrived),
+                _microbatch(positions, index),
+                _microbatch(segment_ids, index),
             )
-            done = t - (stages - 1)  # the micro-batch leaving the last stage
-            keep = (stage == stages - 1) & (done >= 0)
-            outputs = _store(outputs, jnp.clip(done, 0, count - 1), y, keep)
-            return (_to_next_stage(y, stages), outputs), None
+            done = (stage == stages - 1) & (t - stage >= items - count) & (t - stage < items)
+            outputs = _store(outputs, index, y, done)
+            return (_to_next_stage(y, stages), waiting, outputs), None
 
-        start = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs))  # stage-local, as xs is
-        (_, outputs), _ = jax.lax.scan(tick, start, jnp.arange(plan.ticks))
+        # Stage-local, as xs is.
+        start = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs) if repeats > 1 else None)
+        (_, _, outputs), _ = jax.lax.scan(
+            tick, (*start, jnp.zeros_like(xs)), jnp.arange(plan.ticks)
+        )
         return _sum_over_stages(outputs, scatter=scatter)
 
     layers = PartitionSpec(AXIS)
     shared = PartitionSpec()
     pipelined = jax.shard_map(
         body,
-        in_specs=(layers, layers, shared, shared, shared),
+        in_specs=(layers, layers, layers, shared, shared, shared),
         out_specs=layers if scatter else shared,
         axis_names={AXIS},
     )
     hidden = pipelined(
         stacked,
         kinds,
+        active,
         _split(x, count),
         _split(positions, count),
         _split(segment_ids, count),
@@ -263,10 +294,11 @@ def one_f_one_b(
     slots = min(count, 2 * stages - 1)
     run_stage = _stage_runner(net, kernel)
     outer = {k: v for k, v in params.items() if k != "blocks"}
-    kinds = jnp.asarray(net.kind_index, jnp.int32)
+    arrange, kinds, active = _stage_layers(net, plan)
+    blocks = params["blocks"] if arrange is None else arrange(params["blocks"])
     xs, embed_vjp = jax.vjp(embed, outer)
 
-    def body(stacked, kinds, outer, xs, positions, segment_ids, targets, mask):
+    def body(stacked, kinds, active, outer, xs, positions, segment_ids, targets, mask):
         stage = jax.lax.axis_index(AXIS)
         xs = _varying(xs)  # read by stage 0 only
         last = stage == stages - 1
@@ -276,7 +308,12 @@ def one_f_one_b(
 
         def forward(stacked, x, index):
             return run_stage(
-                stacked, kinds, x, _microbatch(positions, index), _microbatch(segment_ids, index)
+                stacked,
+                kinds,
+                active,
+                x,
+                _microbatch(positions, index),
+                _microbatch(segment_ids, index),
             )
 
         def tick(carry, t):
@@ -329,13 +366,14 @@ def one_f_one_b(
     layers, replicated = PartitionSpec(AXIS), PartitionSpec()
     pipelined = jax.shard_map(
         body,
-        in_specs=(layers, layers, *(replicated,) * 6),
+        in_specs=(layers, layers, layers, *(replicated,) * 6),
         out_specs=(layers, replicated, replicated, replicated),
         axis_names={AXIS},
     )
     stage_grads, outer_grads, dxs, loss = pipelined(
-        params["blocks"],
+        blocks,
         kinds,
+        active,
         outer,
         _split(xs, count),
         _split(positions, count),
@@ -343,6 +381,11 @@ def one_f_one_b(
         _split(targets, count),
         _split(mask, count),
     )
+    if arrange is not None:  # back from stage order to the stored one, in fp32
+        stored = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), params["blocks"]
+        )
+        (stage_grads,) = jax.linear_transpose(arrange, stored)(stage_grads)
     (embed_grads,) = embed_vjp(dxs.reshape(xs.shape))
     outer_grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), outer_grads, embed_grads)
     return loss, {**outer_grads, "blocks": stage_grads}

@@ -28,6 +28,7 @@ from meshtrain.models.abstract import (
     abstract_model,
     key_value_replicas,
     replicated_kv_heads,
+    whole_stacked_layers,
 )
 from meshtrain.observe.communication import CommunicationReport, account_collectives
 from meshtrain.observe.flops import train_flops_per_step
@@ -39,7 +40,7 @@ from meshtrain.parallel.rules import logical_to_spec
 from meshtrain.train.documents import DocumentBoundaries, document_boundaries
 from meshtrain.train.gradients import gradient_sync
 from meshtrain.train.optimizer import learning_rate_schedule
-from meshtrain.train.pipeline import PipelinePlan, pipeline_plan
+from meshtrain.train.pipeline_plan import PipelinePlan, pipeline_plan
 from meshtrain.train.state import TrainState, abstract_train_state
 from meshtrain.train.step import make_train_step
 from meshtrain.units import format_flops
@@ -152,9 +153,12 @@ def describe(setup: Setup) -> None:
     log.info("model %s: %s parameters", cfg.model.name, f"{num_params:,}")
     if setup.pipeline is not None:
         log.info(setup.pipeline.describe())
-    kv_note = replicated_kv_heads(cfg.model, setup.mesh_spec)
-    if kv_note:
-        log.info(kv_note)
+    for note in (
+        replicated_kv_heads(cfg.model, setup.mesh_spec),
+        whole_stacked_layers(cfg.model, setup.mesh_spec),
+    ):
+        if note:
+            log.info(note)
     log.info(
         "global batch %d sequences × %d tokens (micro_batch_size %d × %d batch shards × %d accumulation steps)",
         setup.global_batch,

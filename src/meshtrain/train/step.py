@@ -32,7 +32,8 @@ from meshtrain.train.gradients import (
 )
 from meshtrain.train.guard import guard_update
 from meshtrain.train.loss import output_cross_entropy
-from meshtrain.train.pipeline import PipelinePlan, gpipe_hidden, loss_rules, one_f_one_b
+from meshtrain.train.pipeline import loss_rules, one_f_one_b, pipelined_hidden
+from meshtrain.train.pipeline_plan import PipelinePlan
 from meshtrain.train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def token_loss_sum(
     x = net.embed_tokens(inputs)
     kernel, _ = net.attention_kernel(x.dtype)
     positions = default_positions(inputs) if positions is None else positions
-    hidden = gpipe_hidden(net, x, positions, segment_ids, pipeline, kernel)
+    hidden = pipelined_hidden(net, x, positions, segment_ids, pipeline, kernel)
     rules = loss_rules(net.rules, pipeline)
     loss = _head_loss(
         net, constrain(hidden, ("batch", "length", None), rules), targets, mask, rules
