@@ -39,12 +39,16 @@ from meshtrain.errors import ConfigError
 AttentionKernel = Literal["xla", "chunked", "cudnn"]
 """What actually runs (see the module docstring); `select_attention` maps model.attention to one."""
 
-
 # Queries per block of the chunked kernel: the sequence in at most CHUNK_BLOCKS blocks (a
 # bounded program; causal attention then computes (n + 1) / 2n of the full score matrix), of at
 # least MIN_CHUNK_QUERIES queries (smaller blocks cost more in overhead than they skip).
 # Measured on one CPU core, fwd + bwd of causal attention with 4 heads of 64: T=256 in blocks
 # of 64 takes 0.66× the time of the xla kernel, T=2048 in blocks of 256 0.54×.
+CHUNK_BLOCKS = 16
+MIN_CHUNK_QUERIES = 64
+_HALF_PRECISION = (jnp.bfloat16, jnp.float16)
+
+
 @dataclass(frozen=True)
 class WindowOfKind:
     """The sliding window of a layer whose kind is traced (a scan over stacked layers of
@@ -55,11 +59,6 @@ class WindowOfKind:
 
     kind: jax.Array  # int32 scalar
     windows: tuple[int | None, ...]
-
-
-CHUNK_BLOCKS = 16
-MIN_CHUNK_QUERIES = 64
-_HALF_PRECISION = (jnp.bfloat16, jnp.float16)
 
 
 def is_nvidia_gpu(device: jax.Device | None = None) -> bool:
@@ -210,8 +209,8 @@ def dot_product_attention(
 ) -> jax.Array:
     """Causal self-attention. q: [B, T, N, H]; k, v: [B, T, K, H] with K dividing N;
     segment_ids: optional int32 [B, T]; window: optional sliding window (keys per query, itself
-    included), or the windows of a traced layer kind (WindowOfKind). Returns [B, T, N, H] in q's dtype; scores are scaled by `scale` (default
-    1/sqrt(H)) and the softmax runs in fp32. block: queries per block of the chunked kernel
+    included), or the windows of a traced layer kind (WindowOfKind). Returns [B, T, N, H] in q's
+    dtype; scores are scaled by `scale` (default 1/sqrt(H)) and the softmax runs in fp32. block: queries per block of the chunked kernel
     (default: chunk_queries(T))."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if isinstance(window, WindowOfKind):

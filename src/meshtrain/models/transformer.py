@@ -328,15 +328,14 @@ class Transformer(nnx.Module):
         x through (a pipeline stage's slot beyond its layers); None: all run."""
         policy = REMAT_POLICIES[self.remat]
 
+        # Several kinds: RoPE by kind [K, B, T, 1, H/2], indexed by each layer's kind.
+        sins, coses = (jnp.stack([angles[i] for angles in per_kind]) for i in (0, 1))
+        windows = tuple(window for _, _, window in per_kind)
+
         def angles_and_window(kind: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
-            return per_kind[0]
-
-        if len(per_kind) > 1:  # RoPE by kind [K, B, T, 1, H/2], indexed by the layer's kind
-            sins, coses = (jnp.stack([angles[i] for angles in per_kind]) for i in (0, 1))
-            windows = tuple(window for _, _, window in per_kind)
-
-            def angles_and_window(kind: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
-                return sins[kind], coses[kind], WindowOfKind(kind, windows)
+            if len(per_kind) == 1:
+                return per_kind[0]
+            return sins[kind], coses[kind], WindowOfKind(kind, windows)
 
         def run(x: jax.Array, params: nnx.State, kind: jax.Array) -> jax.Array:
             sin, cos, window = angles_and_window(kind)

@@ -177,8 +177,8 @@ class MemoryPlan:
             lines.append(
                 f"  pipeline            {pipe['stages']} stages × {pipe['microbatches']} "
                 f"micro-batches, {pipe['schedule']}{repeats}: bubble {pipe['bubble']:.1%}, "
-                "activations of "
-                f"{pipe['microbatches_alive']} micro-batch(es) per stage (in the temporaries)"
+                f"activations of {pipe['microbatches_alive']} micro-batch(es) per stage (in the "
+                "temporaries)"
             )
         lines += [
             f"  activations + temps {format_bytes(self.activation_bytes):>12}   (XLA memory_analysis)",

@@ -238,11 +238,9 @@ def pipelined_hidden(
             outputs = _store(outputs, index, y, done)
             return (_to_next_stage(y, stages), waiting, outputs), None
 
-        # Stage-local, as xs is.
-        start = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs) if repeats > 1 else None)
-        (_, _, outputs), _ = jax.lax.scan(
-            tick, (*start, jnp.zeros_like(xs)), jnp.arange(plan.ticks)
-        )
+        waiting = jnp.zeros_like(xs) if repeats > 1 else None
+        start = (jnp.zeros_like(xs[0]), waiting, jnp.zeros_like(xs))  # stage-local, as xs is
+        (_, _, outputs), _ = jax.lax.scan(tick, start, jnp.arange(plan.ticks))
         return _sum_over_stages(outputs, scatter=scatter)
 
     layers = PartitionSpec(AXIS)
