@@ -22,9 +22,9 @@ def heavy(requirement: str) -> bool:
 
 
 def test_the_heavy_check_knows_the_names():
-    assert heavy("torch==2.13.0") and heavy("transformers>=5.17,<6")
-    assert heavy("nvidia-cublas-cu12") and heavy("jax[cuda12]>=0.10")
-    assert not heavy("jax>=0.10.0,<0.11.1") and not heavy("pytest>=8")
+    assert heavy("torch>=2.13") and heavy("transformers>=5.17,<6")
+    assert heavy("nvidia-cublas-cu12") and heavy("jax[cuda12]>=0.12")
+    assert not heavy("jax>=0.12.0") and not heavy("pytest>=8")
 
 
 def test_core_and_test_dependencies_need_no_torch_or_gpu_libraries():

@@ -9,6 +9,7 @@ import signal
 import subprocess
 
 import numpy as np
+import pytest
 from helpers.process import run_training, subprocess_env
 
 from meshtrain.checkpoint import (
@@ -46,6 +47,8 @@ def losses(run_dir) -> dict[int, float]:
     return {line["step"]: line["loss"] for line in lines}
 
 
+# slow: 23 s, kept out of the default suite's 10 minutes (CI runs the slow set too)
+@pytest.mark.slow
 def test_sigkill_and_a_half_written_checkpoint_resume_bit_identically(tmp_path):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     checkpoints = crashed / "checkpoints"

@@ -176,17 +176,23 @@ def test_launcher_reports_a_killed_process(tmp_path):
 def test_ctrl_c_stops_every_process(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
-    launch = subprocess.Popen(
-        launcher("--nprocs", "2", str(script), "sleep"),
-        cwd=REPO,
-        env=subprocess_env(8),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, as in a terminal
-        # A shell without job control starts background commands with SIGINT ignored.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    # A shell without job control starts background commands with SIGINT ignored, and an
+    # ignored signal stays ignored across exec; a handled one is reset to the default. So SIGINT
+    # is handled here while the launcher starts (not reset in a preexec_fn, which would fork
+    # this multithreaded JAX process).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        launch = subprocess.Popen(
+            launcher("--nprocs", "2", str(script), "sleep"),
+            cwd=REPO,
+            env=subprocess_env(8),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its own process group, as in a terminal
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     started = [launch.stdout.readline() for _ in range(2)]
     assert all(" env " in line for line in started), started
     os.killpg(launch.pid, signal.SIGINT)  # what Ctrl-C does: every process of the group
@@ -281,6 +287,8 @@ def test_two_processes_match_one_process_on_every_mesh(tmp_path):
     assert len(steps) == 3 and all(line.startswith("[rank 0] ") for line in steps)
 
 
+# slow: 20 s, kept out of the default suite's 10 minutes (CI runs the slow set too)
+@pytest.mark.slow
 def test_checkpoints_move_between_two_processes_and_one(tmp_path):
     """A checkpoint written by 2 processes × 4 devices resumes in 1 process × 8 devices, and the
     reverse; both continue the losses of an uninterrupted 5-step run (a constant learning rate

@@ -18,6 +18,9 @@ RATES = (
     "read_sequences_per_sec_per_process",
     "read_step_s_per_process",
 )
+# slow: the quick run takes 15 s, kept out of the default suite's 10 minutes (CI runs the slow
+# set too)
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -75,6 +75,9 @@ def every(tmp_path_factory):
     }
 
 
+# slow: the three runs of `every` take 15 s, kept out of the default suite's 10 minutes (CI runs
+# the slow set too)
+@pytest.mark.slow
 def test_sync_gradients_every_divides_the_fsdp_reductions(every, one_device):
     fsdp = {k: _gradient_reductions(report, ["fsdp"]) for k, (_, report, _) in every.items()}
     for losses, _, _ in every.values():
@@ -86,6 +89,7 @@ def test_sync_gradients_every_divides_the_fsdp_reductions(every, one_device):
     assert _bytes(fsdp[1]) == pytest.approx(4 * _bytes(fsdp[4]), rel=1e-3)
 
 
+@pytest.mark.slow  # `every`, as above
 def test_the_plan_shows_the_unsharded_gradient_buffer(every, tmp_path):
     """The buffer that sync_gradients_every > 1 sums in is one replica's parameters in fp32
     (whole along fsdp; tp would split it), on top of the 1/8 shards of the other gradients."""
@@ -96,6 +100,8 @@ def test_the_plan_shows_the_unsharded_gradient_buffer(every, tmp_path):
     assert 4 * PARAMS / 2 < plan["unsharded_grad_bytes"] < 4 * PARAMS / 2 * 1.05
 
 
+# slow: 11 s, kept out of the default suite's 10 minutes (CI runs the slow set too)
+@pytest.mark.slow
 def test_bf16_reductions_halve_the_bytes(every, tmp_path, one_device):
     """The same reductions (fsdp once per step, dp once) with reduce_dtype=bf16: bf16
     payloads, half the ideal bytes, and losses within bf16's rounding of the gradients."""

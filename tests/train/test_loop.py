@@ -6,7 +6,10 @@ import math
 import jax
 import numpy as np
 import pytest
+from helpers.config import compose_config
 from helpers.runs import train_tiny
+
+from meshtrain.train.setup import prepare
 
 FAST = (
     "training.steps=5",
@@ -62,7 +65,8 @@ def test_same_seed_same_losses_on_every_mesh(mesh_shape, micro, devices, referen
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2])
+# kv_heads=2 (15 s) in the slow set, to keep the default suite within its 10 minutes.
+@pytest.mark.parametrize("kv_heads", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_more_tp_ranks_than_key_value_heads_give_the_same_losses(kv_heads, tmp_path):
     """[[1,8]] and [[4,2]] against one device, for 1 and 2 key/value heads: where tp does not
     divide them ([[1,8]] for both, [[4,2]] for 1) the key/value projections are replicated over
@@ -102,8 +106,17 @@ def test_more_tp_ranks_than_key_value_heads_give_the_same_losses(kv_heads, tmp_p
 
 
 def test_reference_run_on_one_device(reference_losses):
-    # Untrained, the model is near uniform over 384 ids: loss ≈ ln(384) = 5.95.
-    assert abs(reference_losses[0] - math.log(384)) < 0.1
+    # Untrained, the model is near uniform over V = 384 ids, by bounds that follow from the
+    # initialisation (std σ = 0.02, width D = 128), not from one XLA version's random numbers:
+    # - above: logits of scale σ√D raise the loss over ln V by about σ²D/2 = 0.03 at most;
+    # - below: with tied embeddings the residual stream carries each byte's own embedding, whose
+    #   logit is at most σD = 2.56 above the rest, so the loss falls below ln V by at most σD
+    #   times the share of next bytes that repeat the current one (indentation, in source code).
+    V, D, std = 384, 128, 0.02
+    data = prepare(compose_config(*FAST), devices=jax.devices()[:1]).train_data
+    rows = np.stack([data[i] for i in range(0, len(data), 997)])
+    repeats = float(np.mean(rows[:, 1:] == rows[:, :-1]))
+    assert math.log(V) - std * D * repeats < reference_losses[0] < math.log(V) + std**2 * D / 2
     assert reference_losses[-1] < reference_losses[0] - 0.5
 
 

@@ -27,7 +27,7 @@ from meshtrain.config.schema import ClusterDetection, DistributedConfig, choices
 from meshtrain.errors import ConfigError
 
 TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
-# The cluster detection methods of jax.distributed.initialize (jax/_src/clusters, jax 0.10).
+# The cluster detection methods of jax.distributed.initialize (jax/_src/clusters, jax 0.12).
 CLUSTER_METHODS = choices(ClusterDetection)
 SLURM_VARS = (
     "SLURM_JOB_ID",

@@ -10,7 +10,9 @@ stat. jax's own `ProfileData` parses the file, so nothing beyond jaxlib is neede
 from __future__ import annotations
 
 import re
+import warnings
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,31 +64,39 @@ def _kind(op: str) -> str:
     return match.group(1) if match else op.rsplit(".", 1)[0]
 
 
+def _events(trace: Path) -> Iterator[tuple[str, Any, dict[str, Any]]]:
+    """(plane name, event, its stats as a dict) of every event in the trace. jaxlib's
+    `event_stats` type has no __module__, which Python 3.12 warns about (DeprecationWarning)
+    when the type is first used: a fault of jaxlib's bindings, not of this code, so hidden."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "builtin type event_stats", DeprecationWarning)
+        for plane in jax.profiler.ProfileData.from_file(str(trace)).planes:
+            for line in plane.lines:
+                for event in line.events:
+                    yield plane.name, event, dict(event.stats)
+
+
 def op_events(trace: Path, module: str) -> dict[str, list[tuple[str, float, float]]]:
     """Per device: (hlo_op, start_ns, end_ns) of every operation of `module` in the trace."""
     events: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
-    for plane in jax.profiler.ProfileData.from_file(str(trace)).planes:
-        on_device = plane.name.startswith("/device:")
-        for line in plane.lines:
-            for event in line.events:
-                stats = dict(event.stats)
-                op = stats.get("hlo_op")
-                if op is None or stats.get("hlo_module", module) != module:
-                    continue
-                device = plane.name if on_device else f"device {stats.get('device_ordinal', '?')}"
-                events[device].append((str(op), event.start_ns, event.end_ns))
+    for plane, event, stats in _events(trace):
+        op = stats.get("hlo_op")
+        if op is None or stats.get("hlo_module", module) != module:
+            continue
+        device = (
+            plane if plane.startswith("/device:") else f"device {stats.get('device_ordinal', '?')}"
+        )
+        events[device].append((str(op), event.start_ns, event.end_ns))
     return dict(events)
 
 
 def step_annotations(trace: Path) -> list[int]:
     """The step numbers of the StepTraceAnnotation events in the trace, in order."""
-    steps = []
-    for plane in jax.profiler.ProfileData.from_file(str(trace)).planes:
-        for line in plane.lines:
-            for event in line.events:
-                stats = dict(event.stats)
-                if "step_num" in stats:
-                    steps.append((event.start_ns, int(stats["step_num"])))
+    steps = [
+        (event.start_ns, int(stats["step_num"]))
+        for _, event, stats in _events(trace)
+        if "step_num" in stats
+    ]
     return [step for _, step in sorted(steps)]
 
 
