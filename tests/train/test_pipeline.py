@@ -76,6 +76,29 @@ def test_every_mesh_and_schedule_gives_the_losses_without_pp(
     np.testing.assert_allclose(losses, without_pp, rtol=1e-5)
 
 
+@pytest.mark.slow  # 18 s, kept out of the default suite's 10 minutes (CI runs the slow set too)
+def test_1f1b_with_tp_and_rows_split_over_fsdp_compiles_and_matches(tmp_path):
+    """Global batch 16 in 4 pipeline micro-batches on [[2,2,2],[pp,fsdp,tp]]: 2 rows per fsdp
+    shard in each. The loss inside the pipeline takes the targets' logits by a select, not a
+    gather, which XLA's partitioner aborted on (vocabulary split over tp, rows over fsdp).
+    Also: model.scan_layers, unset, turns on by itself for the pp mesh and says so."""
+    common = ("data=synthetic", "data.seq_len=32", "model.num_layers=4")
+    common += ("training.global_batch_size=16", "training.steps=2", "training.warmup_steps=1")
+    pipelined = train_tiny(
+        tmp_path / "pp",
+        *common,
+        "model.mesh_shape=[[2,2,2],[pp,fsdp,tp]]",
+        "training.pipeline.schedule=1f1b",
+        "training.pipeline.microbatches=4",
+    )
+    assert pipelined.setup.cfg.model.scan_layers is True
+    log = (tmp_path / "pp" / "train.log").read_text()
+    assert "model.scan_layers: on, for the pp stages" in log
+    reference = train_tiny(tmp_path / "fsdp", *common, "model.mesh_shape=[[8,1],[fsdp,tp]]")
+    assert reference.setup.cfg.model.scan_layers is False
+    np.testing.assert_allclose(_losses(pipelined), _losses(reference), rtol=1e-5)
+
+
 @pytest.mark.slow  # an 8-layer model: 4 stages of 2 layers, so that circular can interleave
 def test_circular_on_four_stages_gives_the_losses_without_pp(tmp_path):
     eight = (*RUN, "model.num_layers=8")
@@ -343,8 +366,8 @@ def test_a_checkpoint_resumes_across_pp_and_non_pp_meshes(tmp_path, writer, read
         (
             "[[2,4],[pp,fsdp]]",
             ["model.scan_layers=false"],
-            "model.mesh_shape has pp=2: pipeline stages hold slices of the stacked blocks; "
-            "add model.scan_layers=true",
+            "model.scan_layers=false with pp=2 in model.mesh_shape: pipeline stages hold slices "
+            "of the stacked blocks; remove model.scan_layers=false (pp meshes turn it on)",
         ),
         (
             "[[8,1],[pp,fsdp]]",

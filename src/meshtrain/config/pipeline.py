@@ -4,10 +4,21 @@ repeats (training.pipeline). Each failure is a one-line ConfigError with the fix
 
 from __future__ import annotations
 
+import dataclasses
+
 from meshtrain.config.schema import Config
 from meshtrain.errors import ConfigError, require
 from meshtrain.parallel.mesh import MeshSpec
 from meshtrain.parallel.rules import mesh_axes_for
+
+
+def with_scan_layers(cfg: Config, mesh: MeshSpec) -> Config:
+    """`cfg` with model.scan_layers decided: null (the default) becomes true on a mesh with a
+    pp axis, whose stages hold slices of the stacked blocks, and false otherwise."""
+    if cfg.model.scan_layers is not None:
+        return cfg
+    model = dataclasses.replace(cfg.model, scan_layers=mesh.sizes["pp"] > 1)
+    return dataclasses.replace(cfg, model=model)
 
 
 def check_pipeline(cfg: Config, mesh: MeshSpec, micro_batch: int) -> None:
@@ -17,9 +28,9 @@ def check_pipeline(cfg: Config, mesh: MeshSpec, micro_batch: int) -> None:
     model, pipeline = cfg.model, cfg.training.pipeline
     stages = mesh.sizes["pp"]
     require(
-        model.scan_layers,
-        f"model.mesh_shape has pp={stages}: pipeline stages hold slices of the stacked blocks; "
-        "add model.scan_layers=true",
+        model.scan_layers is not False,
+        f"model.scan_layers=false with pp={stages} in model.mesh_shape: pipeline stages hold "
+        "slices of the stacked blocks; remove model.scan_layers=false (pp meshes turn it on)",
     )
     require(
         mesh_axes_for("layers", model.logical_axis_rules) == ("pp",),

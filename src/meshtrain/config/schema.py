@@ -169,8 +169,8 @@ class ModelConfig:
     """Attention scores are scaled by 1/sqrt(this); null: head_dim."""
     remat: str = "none"  # RematPolicy
     """Activation recomputation per block: none, full, dots_saveable or minimal (docs/models.md)."""
-    scan_layers: bool = False
-    """Stack the blocks' parameters on a `layers` axis and run them in a lax.scan (flat compile time)."""
+    scan_layers: bool | None = None
+    """Stack the blocks' parameters on a `layers` axis and run them in a lax.scan (flat compile time); null: on for a mesh with a pp axis (its stages hold slices of the stack), off otherwise."""
     attention: str = "auto"  # AttentionImpl
     """Attention implementation: auto (cuDNN on NVIDIA GPUs in bf16/fp16 when it can, else XLA), xla or cudnn."""
     init_from: str | None = None

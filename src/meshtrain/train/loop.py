@@ -72,6 +72,7 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
     if jax.process_count() == 1:  # (several processes: joining the run set up the log files)
         setup_logging(None, is_main=True)  # the console, until the run directory is written
     setup = prepare(cfg, devices)
+    cfg = setup.cfg  # with the defaults that depend on the mesh decided (model.scan_layers)
     training = cfg.training
     tx = build_optimizer(training)
     shardings = state_shardings(setup.model, tx, setup.mesh)

@@ -50,6 +50,23 @@ def _vocab_parallel_rules(batch: int, length: int, vocab: int, rules: Any) -> An
     return {**rules, "batch": None, "vocab": [*vocab_axes, *batch_axes]}
 
 
+def _target_logits(logits: jax.Array, targets: jax.Array, rows_split: bool) -> jax.Array:
+    """logits fp32 [B, c, V], targets int32 [B, c] → the targets' logits fp32 [B, c];
+    `rows_split`: the rows B are split over a batch axis (dp, fsdp).
+
+    A gather reads B·c logits, where a one-hot select reads all B·c·V (6% of W1's step). Inside
+    a shard_map that is manual over some mesh axes (the pp stages of 1f1b, whose loss runs in
+    the pipeline), XLA's SPMD partitioner aborts on that gather when the rows are split over a
+    batch axis and the vocabulary over tp ("Check failed: partition_group_list..." in
+    ExpandDeviceGroupsWithIota, jax 0.10 to 0.12): there the select, which partitions as any
+    elementwise op and a reduction, takes its place. (Only there: with the rows whole, the
+    select inside the pipeline deadlocks XLA's CPU runtime on [[2,4],[pp,tp]].)"""
+    if rows_split and jax.sharding.get_abstract_mesh().manual_axes:
+        hit = jnp.arange(logits.shape[-1], dtype=targets.dtype) == targets[..., None]
+        return jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+    return jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+
+
 def output_cross_entropy(
     x: jax.Array,
     weight: jax.Array,
@@ -103,8 +120,7 @@ def output_cross_entropy(
         top = jnp.max(logits, axis=-1, keepdims=True)
         # log-sum-exp [B, c, 1]; exp(logits - top) is fused into the sum, never stored.
         lse = top + jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
-        # A gather reads B·c logits (an iota == target select would write all B·c·V).
-        target_logit = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+        target_logit = _target_logits(logits, tc, shards > 1)
         loss = jnp.sum((lse[..., 0] - target_logit) * mc, axis=-1)  # [B]: summed at the end
         if not grads:
             return loss, None, None

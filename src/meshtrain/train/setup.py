@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from meshtrain.config.pipeline import with_scan_layers
 from meshtrain.config.schema import Config
 from meshtrain.config.validate import check_against_mesh, check_config, micro_batch_size
 from meshtrain.data import MixedDataset, TokenDataset, build_datasets
@@ -114,6 +115,7 @@ def prepare(
     devices = list(devices) if devices is not None else jax.devices()
     mesh_spec = parse_mesh_shape(cfg.model.mesh_shape, len(devices))
     check_against_mesh(cfg, mesh_spec)
+    cfg = with_scan_layers(cfg, mesh_spec)
     mesh = build_mesh(mesh_spec, devices, hosts=process_hosts())
     model = abstract_model(cfg.model, mesh, mesh_spec)  # shapes only: allocates nothing
     micro = micro_batch_size(cfg, mesh_spec)
@@ -153,6 +155,9 @@ def describe(setup: Setup) -> None:
     log.info("model %s: %s parameters", cfg.model.name, f"{num_params:,}")
     if setup.pipeline is not None:
         log.info(setup.pipeline.describe())
+        log.info(
+            "model.scan_layers: on, for the pp stages (they hold slices of the stacked blocks)"
+        )
     for note in (
         replicated_kv_heads(cfg.model, setup.mesh_spec),
         whole_stacked_layers(cfg.model, setup.mesh_spec),
