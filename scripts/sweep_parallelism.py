@@ -3,14 +3,15 @@ accumulation and remat over 8 faked CPU devices, and checks that each either giv
 of the same run on an fsdp-only mesh (relative 1e-5) or is refused by a one-line config error
 before anything is compiled. No combination may abort, hang or print a C++ stack.
 
-    python scripts/sweep_parallelism.py [--cases N] [--all] [--json]
+    python scripts/sweep_parallelism.py [--cases N] [--all] [--only TEXT] [--skip TEXT] [--json]
 
 The product: every layout of 8 devices over 2 or 3 of the axes dp, pp, fsdp, tp (16 meshes) ×
 the schedules that apply (none without pp; gpipe, circular and 1f1b with it) × the global batch
 (the smallest the mesh accepts, and 2× or 4× it) × accumulation 1 and 2 × remat none and full,
 with the layers in a scan: 272 cases. Without --all, N of them (default 40): every mesh and
 schedule once, the other settings rotating, then a seeded sample of the rest; the list is
-printed first. The model is the tiny one with 4 layers of alternating local and global attention
+printed first; --only keeps the cases whose line contains TEXT (e.g. '[pp,fsdp]' or
+'1f1b'), --skip (repeatable) drops them. The model is the tiny one with 4 layers of alternating local and global attention
 on synthetic data of 32 tokens. Exit code 1 if a case's losses differ or a refusal is not one
 line; the process dying is the other failure (the last "case" line names the culprit).
 tests/train/test_parallel_sweep.py runs it in the slow set (CI).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import random
 import sys
@@ -98,7 +100,7 @@ def meshes() -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
     for count in (2, 3):
         for axes in itertools.combinations(AXES, count):
             for sizes in itertools.product((2, 4), repeat=count):
-                if _product(sizes) == DEVICES:
+                if math.prod(sizes) == DEVICES:
                     layouts.append((sizes, axes))
     return layouts
 
@@ -131,17 +133,14 @@ def sample(cases: list[Case], count: int, seed: int = 0) -> list[Case]:
     return [*chosen, *extra]
 
 
-def _product(values) -> int:
-    result = 1
-    for v in values:
-        result *= v
-    return result
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=40, help="cases to sample (default 40)")
     parser.add_argument("--all", action="store_true", help="run all 272 cases")
+    parser.add_argument("--only", help="only the cases whose line contains this text")
+    parser.add_argument(
+        "--skip", action="append", default=[], help="drop the cases whose line contains this text"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per case")
     args = parser.parse_args(argv)
 
@@ -162,9 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             return to_config(compose(config_name="config", overrides=list(overrides)))
 
     def smallest_batch(case: Case) -> tuple[int | None, str | None]:
-        """The smallest global batch the case's mesh accepts, or the refusal of every one
-        up to 64 sequences per batch shard."""
-        first_error = None
+        """The smallest global batch the case's mesh accepts, or, where none up to 64
+        sequences per device is, the refusal of the largest (the one whose reason is not
+        the batch size)."""
+        last_error = None
         for batch in range(case.accumulation, 64 * DEVICES + 1, case.accumulation):
             cfg = config(case.overrides(batch))
             try:
@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                 micro_batch_size(cfg, mesh)
                 return batch, None
             except ConfigError as err:
-                first_error = first_error or str(err)
-        return None, first_error
+                last_error = str(err)
+        return None, last_error
 
     references: dict[tuple[int, int, str], list[float]] = {}
 
@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         return references[key]
 
     cases = all_cases() if args.all else sample(all_cases(), args.cases)
+    cases = [c for c in cases if args.only is None or args.only in str(c)]
+    cases = [c for c in cases if not any(text in str(c) for text in args.skip)]
     print(f"sweep: {len(cases)} of {len(all_cases())} cases on {DEVICES} devices", flush=True)
     for i, case in enumerate(cases, 1):
         print(f"  {i:3d}. {case}", flush=True)
