@@ -16,6 +16,7 @@ from helpers.runs import SMALL_RUN, losses, train_tiny
 
 from meshtrain.config.validate import check_against_mesh, check_config
 from meshtrain.errors import ConfigError
+from meshtrain.observe.hlo import parse_shape
 from meshtrain.parallel.mesh import parse_mesh_shape
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.pipeline_plan import PipelinePlan, layer_table
@@ -209,12 +210,6 @@ def _hand_overs(run_dir):
     ]
 
 
-def _dims(shape: str) -> list[int]:
-    """'f32[1,32,8]' → [1, 32, 8] (a shape as the communication report writes it)."""
-    inside = shape[shape.index("[") + 1 : shape.rindex("]")]
-    return [int(d) for d in inside.split(",") if d]
-
-
 def test_circular_logs_its_bubble_and_measures_it_under_the_profiler(tmp_path):
     result = train_tiny(
         tmp_path,
@@ -241,7 +236,9 @@ def test_circular_logs_its_bubble_and_measures_it_under_the_profiler(tmp_path):
     moves = [
         c for c in report["collectives"] if c["kind"] == "all-to-all" and c["mesh_axes"] == ["pp"]
     ]
-    moved = Counter(sum(math.prod(_dims(shape)) for shape in c["shapes"]) for c in moves)
+    moved = Counter(
+        sum(math.prod(a.dims) for shape in c["shapes"] for a in parse_shape(shape)) for c in moves
+    )
     model = result.setup.model
     leaves = jax.tree.leaves(model.abstract_params["blocks"])
     shards = Counter(
