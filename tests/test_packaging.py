@@ -42,5 +42,6 @@ def test_torch_and_transformers_are_only_in_the_parity_extra():
         for extra, requirements in extras.items()
     }
     assert {extra: names for extra, names in heavy_by_extra.items() if names} == {
-        "parity": ["torch", "transformers"]
+        "parity": ["torch", "transformers"],
+        "gpu-compile": ["jax"],  # jax[cuda12]: JAX's CUDA plugin and NVIDIA's libraries
     }

@@ -30,6 +30,7 @@ class Accelerator:
     peak_bf16: float  # dense FLOP/s per chip
     peak_fp32: float  # FLOP/s per chip of an fp32 matmul at JAX's default precision
     memory_gib: float  # per chip
+    compute_capability: tuple[int, int] | None = None  # NVIDIA GPUs: what kernels it can run
 
     def peak(self, compute_dtype: str) -> float:
         return self.peak_bf16 if compute_dtype == "bf16" else self.peak_fp32
@@ -39,12 +40,20 @@ ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
     for a in (
         Accelerator(
-            "h100", "NVIDIA H100 SXM 80GB", ("nvidia h100 80gb hbm3",), 989e12, 495e12, 79.6
+            "h100", "NVIDIA H100 SXM 80GB", ("nvidia h100 80gb hbm3",), 989e12, 495e12, 79.6, (9, 0)
         ),
         Accelerator(
-            "h100_pcie", "NVIDIA H100 PCIe 80GB", ("nvidia h100 pcie",), 756e12, 378e12, 79.6
+            "h100_pcie",
+            "NVIDIA H100 PCIe 80GB",
+            ("nvidia h100 pcie",),
+            756e12,
+            378e12,
+            79.6,
+            (9, 0),
         ),
-        Accelerator("h200", "NVIDIA H200 SXM 141GB", ("nvidia h200",), 989e12, 495e12, 140.4),
+        Accelerator(
+            "h200", "NVIDIA H200 SXM 141GB", ("nvidia h200",), 989e12, 495e12, 140.4, (9, 0)
+        ),
         Accelerator(
             "a100_40gb",
             "NVIDIA A100 40GB (SXM or PCIe)",
@@ -52,6 +61,7 @@ ACCELERATORS: dict[str, Accelerator] = {
             312e12,
             156e12,
             39.6,
+            (8, 0),
         ),
         Accelerator(
             "a100_80gb",
@@ -60,8 +70,11 @@ ACCELERATORS: dict[str, Accelerator] = {
             312e12,
             156e12,
             79.2,
+            (8, 0),
         ),
-        Accelerator("b200", "NVIDIA B200 180GB", ("nvidia b200",), 2250e12, 1100e12, 179.0),
+        Accelerator(
+            "b200", "NVIDIA B200 180GB", ("nvidia b200",), 2250e12, 1100e12, 179.0, (10, 0)
+        ),
         Accelerator("v4", "Google TPU v4", ("tpu v4",), 275e12, 275e12, 32.0),
         Accelerator("v5e", "Google TPU v5e", ("tpu v5 lite", "tpu v5e"), 197e12, 197e12, 16.0),
         Accelerator("v5p", "Google TPU v5p", ("tpu v5", "tpu v5p"), 459e12, 459e12, 95.0),

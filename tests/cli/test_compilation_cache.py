@@ -71,7 +71,11 @@ def test_the_cli_configures_both_before_jax_is_used(monkeypatch):
     """train_from_hydra sets the flags and the cache from the config before it joins the run
     (the first thing that touches a device)."""
     calls = []
-    monkeypatch.setattr(cli, "configure_xla_gpu_flags", lambda on: calls.append(("flags", on)))
+    monkeypatch.setattr(
+        cli,
+        "configure_xla_gpu_flags",
+        lambda on, gpu_target: calls.append(("flags", on, gpu_target)),
+    )
     monkeypatch.setattr(cli, "configure_compilation_cache", lambda d: calls.append(("cache", d)))
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
@@ -81,7 +85,7 @@ def test_the_cli_configures_both_before_jax_is_used(monkeypatch):
         )
     with pytest.raises(ValueError, match="HydraConfig"):  # the run directory comes next
         cli.train_from_hydra(cfg)
-    assert calls == [("flags", False), ("cache", "/tmp/x")]
+    assert calls == [("flags", False, False), ("cache", "/tmp/x")]
 
 
 def test_defaults_are_appended_for_flags_the_user_did_not_set():
@@ -109,7 +113,10 @@ def test_gpu_is_expected_only_where_jax_will_pick_one(monkeypatch):
     assert gpu_expected("cuda") and gpu_expected("cuda,cpu") and gpu_expected("rocm")
     assert not gpu_expected("tpu")
     monkeypatch.setattr(cli, "_gpu_plugin_installed", lambda: True)
+    monkeypatch.setattr(cli, "gpu_present", lambda: True)
     assert gpu_expected(None) and gpu_expected("")
+    monkeypatch.setattr(cli, "gpu_present", lambda: False)  # the plugin, but no GPU
+    assert not gpu_expected(None)
     monkeypatch.setattr(cli, "_gpu_plugin_installed", lambda: False)
     assert not gpu_expected(None)
 
@@ -123,3 +130,11 @@ def test_flags_are_set_on_gpu_only_and_can_be_turned_off(monkeypatch):
     added = cli.configure_xla_gpu_flags(True)
     assert len(added) == len(DEFAULT_XLA_GPU_FLAGS) - 1 and not any(LHS in a for a in added)
     assert os.environ["XLA_FLAGS"] == f"--{LHS}=false " + " ".join(added)
+
+
+def test_flags_are_set_when_compiling_for_a_gpu_target_from_a_cpu(monkeypatch):
+    """plan.target: JAX runs on this host's CPU, and the GPU program gets the GPU flags."""
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert cli.configure_xla_gpu_flags(True) == []  # the tests run on JAX_PLATFORMS=cpu
+    added = cli.configure_xla_gpu_flags(True, gpu_target=True)
+    assert added == [f"--{k}={v}" for k, v in DEFAULT_XLA_GPU_FLAGS.items()]

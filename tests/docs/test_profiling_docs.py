@@ -22,9 +22,11 @@ DOCS = ("docs/profiling.md", "docs/planning.md")
 
 def is_slow(line: str) -> bool:
     """Large models with their layers unrolled compile for a minute or more; with
-    model.scan_layers=true (tests/observe/test_memory_plan.py plans Gemma 3 27B so) they take seconds."""
+    model.scan_layers=true (tests/observe/test_memory_plan.py plans Gemma 3 27B so) they take
+    seconds. A compile for a GPU target needs the gpu-compile extra, installed for the slow set."""
     large = "model=gemma3_27b" in line or "model=llama3_8b" in line
-    return large and "model.scan_layers=true" not in line
+    gpu_compile = "plan.target=" in line and "training.dry_run=true" in line
+    return gpu_compile or (large and "model.scan_layers=true" not in line)
 
 
 PLAN_KEYS = {
@@ -70,6 +72,12 @@ def test_documented_command(command, tmp_path: Path) -> None:
                 f"verdict: {'fits' if plan['fits'] else 'does not fit'} on {device[0]}"
                 in result.stdout
             )
+        target = [a.split("=")[1] for a in args if a.startswith("plan.target=")]
+        if target:  # compiled for that GPU: its kernels, its memory
+            report = json.loads((tmp_path / "compile.json").read_text())
+            assert plan["device"] == target[0] and plan["fits"], plan
+            assert report["attention"].startswith("cudnn (auto: NVIDIA"), report
+            assert report["step"]["cudnn_attention_calls"] > 0, report
     else:
         check_metrics(tmp_path / "metrics.jsonl")
     if "training.profile=true" in args:

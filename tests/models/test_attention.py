@@ -19,12 +19,13 @@ from meshtrain.errors import ConfigError
 from meshtrain.models import attention as attention_module
 from meshtrain.models.attention import (
     WindowOfKind,
+    cudnn_head_dim_limit,
     cudnn_unsupported,
     dot_product_attention,
-    is_nvidia_gpu,
     select_attention,
 )
 from meshtrain.models.transformer import Transformer
+from meshtrain.parallel.target import TargetDevice, cudnn_version, target_device
 
 
 def einsum_attention(q, k, v, *, scale, window=None, segment_ids=None):
@@ -100,15 +101,21 @@ def test_kernels_match_the_einsum_oracle(kernel, block, heads, kv_heads, mask):
         np.testing.assert_allclose(ours_grad, oracle_grad, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.skipif(not is_nvidia_gpu(), reason="cuDNN's flash attention needs an NVIDIA GPU")
+@pytest.mark.skipif(
+    not target_device().nvidia_gpu, reason="cuDNN's flash attention needs an NVIDIA GPU"
+)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("mask", MASKS)
-def test_cudnn_matches_the_einsum_oracle_in_bf16(heads, kv_heads, mask):
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_cudnn_matches_the_einsum_oracle_in_bf16(heads, kv_heads, mask, head_dim):
     """The GPU kernel against the same oracle, in bf16 (cuDNN runs no fp32): outputs and
-    gradients within bf16's rounding of the fp32 oracle's. Runs only where a GPU is present."""
+    gradients within bf16's rounding of the fp32 oracle's, at Llama's head_dim 64 and Gemma 3's
+    256 (where this GPU's cuDNN takes it). Runs only where a GPU is present."""
+    if cudnn_head_dim_limit(target_device(), cudnn_version()) < head_dim:
+        pytest.skip(f"cuDNN here takes head_dim <= 128, not {head_dim}")
     window, segments = MASKS[mask]
     length = 128  # cuDNN's shapes: head_dim a multiple of 8, a sequence of whole tiles
-    q, k, v = _inputs(heads, kv_heads, length=length, head_dim=64)
+    q, k, v = _inputs(heads, kv_heads, length=length, head_dim=head_dim)
     segment_ids = None
     if segments:
         segment_ids = jnp.asarray([[0] * 40 + [1] * 70 + [2] * 18, [3] * length], jnp.int32)
@@ -149,15 +156,42 @@ def test_auto_picks_chunked_xla_on_cpu_and_says_why():
     assert select_attention("xla", dtype=jnp.float32, head_dim=64) == ("xla", "model.attention=xla")
 
 
+H100 = TargetDevice("gpu", "NVIDIA H100 80GB HBM3", (9, 0))
+A100 = TargetDevice("gpu", "NVIDIA A100-SXM4-80GB", (8, 0))
+B200 = TargetDevice("gpu", "NVIDIA B200", (10, 0))
+
+
 def test_cudnn_shape_rules():
-    assert cudnn_unsupported(jnp.bfloat16, 64) is None
-    assert cudnn_unsupported(jnp.float16, 128) is None
-    assert "bf16/fp16" in cudnn_unsupported(jnp.float32, 64)
-    assert "head_dim" in cudnn_unsupported(jnp.bfloat16, 256)
-    assert "head_dim" in cudnn_unsupported(jnp.bfloat16, 60)
+    assert cudnn_unsupported(jnp.bfloat16, 64, A100, 92800) is None
+    assert cudnn_unsupported(jnp.float16, 128, A100, 92800) is None
+    assert "bf16/fp16" in cudnn_unsupported(jnp.float32, 64, H100, 92800)
+    assert cudnn_unsupported(jnp.bfloat16, 60, H100, 92800) == (
+        "cuDNN 9.28 on NVIDIA H100 80GB HBM3 needs head_dim <= 256 and a multiple of 8, got 60"
+    )
 
 
-@pytest.mark.skipif(is_nvidia_gpu(), reason="checks the error without a GPU")
+def test_cudnn_takes_head_dim_256_on_hopper_and_blackwell_with_a_recent_cudnn():
+    """Gemma 3's head_dim 256: cuDNN on Hopper from 9.13 and Blackwell from 9.23, never Ampere."""
+    assert cudnn_unsupported(jnp.bfloat16, 256, H100, 91300) is None
+    assert cudnn_unsupported(jnp.bfloat16, 256, B200, 92300) is None
+    assert cudnn_unsupported(jnp.bfloat16, 256, A100, 92800) == (
+        "cuDNN 9.28 on NVIDIA A100-SXM4-80GB needs head_dim <= 128 and a multiple of 8, got 256"
+    )
+    assert "head_dim <= 128" in cudnn_unsupported(jnp.bfloat16, 256, H100, 91200)
+    assert "head_dim <= 128" in cudnn_unsupported(jnp.bfloat16, 256, B200, 92200)
+    assert "cuDNN unknown" in cudnn_unsupported(jnp.bfloat16, 256, H100, None)
+    assert cudnn_unsupported(jnp.bfloat16, 264, H100, 92800) is not None
+
+
+def test_auto_follows_the_mesh_being_compiled_for_not_the_host():
+    """Inside jax.set_mesh the kernel is chosen for the mesh's devices; outside, this host's."""
+    assert target_device() == TargetDevice("cpu", jax.devices()[0].device_kind)
+    assert target_device(jax.devices()[0]).platform == "cpu"
+    assert not TargetDevice("gpu", "AMD Instinct MI300X").nvidia_gpu
+    assert TargetDevice("gpu", "NVIDIA GeForce RTX 4090").nvidia_gpu
+
+
+@pytest.mark.skipif(target_device().nvidia_gpu, reason="checks the error without a GPU")
 def test_cudnn_on_cpu_is_a_config_error_at_start_up():
     from meshtrain.train.setup import prepare
 

@@ -13,6 +13,7 @@ Before JAX starts its backend, the command also turns on JAX's persistent compil
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import itertools
 import logging
 import os
@@ -101,21 +102,47 @@ def _gpu_plugin_installed() -> bool:
     return any(kind in name for name in names for kind in ("cuda", "rocm"))
 
 
+# The device nodes of NVIDIA's and AMD's GPU drivers: no GPU is usable on a host without them.
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")
+
+
+def gpu_present() -> bool:
+    return any(Path(node).exists() for node in GPU_DEVICE_NODES)
+
+
 def gpu_expected(platforms: str | None) -> bool:
     """Whether JAX will run on a GPU, decided before its backend starts: `platforms` (JAX_PLATFORMS
-    or jax_platforms) names one, or is unset and a CUDA or ROCm plugin is installed."""
+    or jax_platforms) names one, or is unset and a CUDA or ROCm plugin is installed on a host
+    with a GPU."""
     if platforms:
         return any(p.strip() in _GPU_PLATFORMS for p in platforms.split(","))
-    return _gpu_plugin_installed()
+    return _gpu_plugin_installed() and gpu_present()
 
 
-def configure_xla_gpu_flags(enabled: bool) -> list[str]:
+def skip_gpu_plugin_without_gpu() -> bool:
+    """A GPU plugin installed on a host without a GPU (the gpu-compile extra on a laptop, for
+    plan.target) would print its failure to start at every run: when JAX_PLATFORMS is unset,
+    there is no GPU and no TPU runtime, JAX is told to use the CPU. Returns whether it was.
+    Must run before JAX starts its backend."""
+    import jax  # here, so that `--help` and `--cfg job` need no JAX
+
+    if jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS"):
+        return False
+    if not _gpu_plugin_installed() or gpu_present() or importlib.util.find_spec("libtpu"):
+        return False
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
+    return True
+
+
+def configure_xla_gpu_flags(enabled: bool, *, gpu_target: bool = False) -> list[str]:
     """Adds DEFAULT_XLA_GPU_FLAGS that XLA_FLAGS lacks, when `enabled` (training.xla_gpu_flags)
-    and a GPU will be used; returns the flags added. Must run before JAX starts its backend."""
+    and a GPU will be used, or compiled for (`gpu_target`: plan.target); returns the flags
+    added. Must run before JAX starts its backend."""
     import jax  # here, so that `--help` and `--cfg job` need no JAX
 
     platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS")
-    if not enabled or not gpu_expected(platforms):
+    if not enabled or not (gpu_target or gpu_expected(platforms)):
         return []
     existing = os.environ.get("XLA_FLAGS", "")
     merged = merge_xla_flags(existing, DEFAULT_XLA_GPU_FLAGS)
@@ -165,7 +192,7 @@ def configure_compilation_cache(setting: str | None) -> str | None:
 def train_from_hydra(cfg: DictConfig) -> None:
     """The Hydra task: typed config → training run in Hydra's output directory."""
     # Imported here so `--help` and `--cfg job` answer without starting JAX.
-    from meshtrain.distributed.devices import use_fake_cpu_devices
+    from meshtrain.distributed.devices import compile_here_for, use_fake_cpu_devices
     from meshtrain.distributed.preemption import exit_code_for
     from meshtrain.distributed.runtime import join_run, shared_failures
     from meshtrain.train.dry_run import dry_run
@@ -178,7 +205,11 @@ def train_from_hydra(cfg: DictConfig) -> None:
     try:
         config = to_config(cfg)
         use_fake_cpu_devices(config.plan.fake_devices)  # before anything starts JAX's backend
-        configure_xla_gpu_flags(config.training.xla_gpu_flags)  # read when the backend starts
+        compile_here_for(config.plan.target)
+        skip_gpu_plugin_without_gpu()
+        configure_xla_gpu_flags(  # read when the backend starts
+            config.training.xla_gpu_flags, gpu_target=config.plan.target is not None
+        )
         configure_compilation_cache(config.training.compilation_cache_dir)  # before any compile
         with shared_failures():
             # Before anything touches a JAX device; all processes agree on process 0's run dir.

@@ -348,6 +348,8 @@ class PlanConfig:
     """Share of a device's memory a run may fill (XLA keeps some; on GPU see XLA_PYTHON_CLIENT_MEM_FRACTION)."""
     fake_devices: int | None = None
     """Fake this many CPU devices (plan a large mesh on a laptop); set before JAX starts, CLI only."""
+    target: str | None = None
+    """Compile the dry run for these GPUs on this CPU: h100, h200, b200 (docs/planning.md); CLI only."""
 
 
 @dataclass

@@ -34,6 +34,7 @@ from meshtrain.config.schema import (
 from meshtrain.errors import ConfigError, require
 from meshtrain.parallel.mesh import MeshSpec
 from meshtrain.parallel.rules import check_rules, mesh_axes_for
+from meshtrain.targets.gpu_specs import gpu_spec
 
 
 def _one_of(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -205,6 +206,18 @@ def check_config(cfg: Config) -> None:
     )
     if plan.fake_devices is not None:
         _positive("plan.fake_devices", plan.fake_devices)
+    if plan.target is not None:
+        gpu_spec(plan.target)
+        require(
+            training.dry_run,
+            f"plan.target={plan.target} compiles for GPUs this host lacks, so nothing can run: "
+            "add training.dry_run=true",
+        )
+        require(
+            plan.fake_devices is None,
+            f"plan.target={plan.target} compiles for {plan.target} devices, not faked CPU ones: "
+            "drop plan.fake_devices",
+        )
     _check_checkpoint(cfg.checkpoint)
 
 

@@ -28,3 +28,19 @@ def use_fake_cpu_devices(count: int | None) -> None:
             f"plan.fake_devices={count} must be set before JAX starts; "
             "pass it on the command line of run_training.py"
         ) from None
+
+
+def compile_here_for(target: str | None) -> None:
+    """plan.target: this host's CPU compiles for GPUs it lacks (meshtrain.targets), so JAX must
+    not look for a GPU of its own (the CUDA plugin the compile needs would fail to start
+    without one). Must run before JAX starts."""
+    if target is None:
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    try:
+        jax.config.update("jax_platforms", "cpu")
+    except RuntimeError:
+        raise ConfigError(
+            f"plan.target={target} must be set before JAX starts; "
+            "pass it on the command line of run_training.py"
+        ) from None

@@ -12,8 +12,10 @@ into one of the kernels below, once per model and compute dtype, with the reason
     cudnn    jax.nn.dot_product_attention(implementation="cudnn"): cuDNN's fused flash
              attention, which never materialises the scores; NVIDIA GPUs, bf16/fp16 only.
 
-`auto` picks cudnn on an NVIDIA GPU in bf16/fp16 when the head dimension allows it (≤ 128 and a
-multiple of 8), and chunked otherwise.
+`auto` picks cudnn on an NVIDIA GPU in bf16/fp16 when the head dimension allows it (a multiple
+of 8, ≤ 256 on Hopper and Blackwell with a recent cuDNN, ≤ 128 elsewhere: cudnn_head_dim_limit),
+and chunked otherwise. The GPU is the one the program is compiled for (meshtrain.parallel.target),
+so a GPU program compiled from a CPU host picks what a GPU host would.
 
 Every kernel computes the same masks: causal (a query sees keys at or before it), an optional
 sliding window (query t sees keys s with t - window < s ≤ t, Hugging Face's convention) and
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 
 from meshtrain.config.schema import AttentionImpl
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.target import TargetDevice, cudnn_version, target_device
 
 AttentionKernel = Literal["xla", "chunked", "cudnn"]
 """What actually runs (see the module docstring); `select_attention` maps model.attention to one."""
@@ -61,29 +64,48 @@ class WindowOfKind:
     windows: tuple[int | None, ...]
 
 
-def is_nvidia_gpu(device: jax.Device | None = None) -> bool:
-    """True for a CUDA device (cuDNN's flash attention runs there only)."""
-    device = device if device is not None else jax.devices()[0]
-    if device.platform != "gpu":
-        return False
-    version = getattr(getattr(device, "client", None), "platform_version", "") or ""
-    return "cuda" in version.lower() or "nvidia" in str(getattr(device, "device_kind", "")).lower()
+def cudnn_head_dim_limit(target: TargetDevice, version: int | None) -> int:
+    """The largest head_dim cuDNN's flash attention trains (forward and backward) on `target`:
+
+    - 256 on Hopper (compute capability 9.x) with cuDNN >= 9.13: JAX's own check allows 256
+      there (jax._src.cudnn, check_is_flash_attention), and cuDNN 9.11 and 9.12 mis-checked
+      large head dims in Hopper's backward pass (cudnn-frontend 1.14.1 release notes);
+    - 256 on Blackwell (10.x and later) with cuDNN >= 9.23, the first with a d=256 backward
+      kernel there (cudnn-frontend 1.24.1 release notes);
+    - 128 everywhere else (Ampere, Ada, older cuDNN, or a version that cannot be read).
+    """
+    capability = target.compute_capability
+    if capability is None or version is None:
+        return 128
+    if capability[0] == 9 and version >= 91300:
+        return 256
+    if capability[0] >= 10 and version >= 92300:
+        return 256
+    return 128
 
 
 def check_attention(requested: str, device: jax.Device | None = None) -> None:
     """Start-up check of model.attention against the devices: cudnn needs an NVIDIA GPU."""
-    if requested == "cudnn" and not is_nvidia_gpu(device):
+    if requested == "cudnn" and not target_device(device).nvidia_gpu:
         raise ConfigError("model.attention=cudnn needs an NVIDIA GPU; use auto or xla")
 
 
-def cudnn_unsupported(dtype: jnp.dtype, head_dim: int) -> str | None:
-    """Why cuDNN's flash attention cannot run these shapes (None: it can)."""
+def cudnn_unsupported(
+    dtype: jnp.dtype, head_dim: int, target: TargetDevice, version: int | None
+) -> str | None:
+    """Why cuDNN's flash attention cannot run these shapes on `target` with cuDNN `version`
+    (None: it can)."""
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in _HALF_PRECISION]:
         return (
             f"cuDNN flash attention needs bf16/fp16, the compute dtype is {jnp.dtype(dtype).name}"
         )
-    if head_dim > 128 or head_dim % 8:
-        return f"cuDNN needs head_dim <= 128 and a multiple of 8, got {head_dim}"
+    limit = cudnn_head_dim_limit(target, version)
+    if head_dim > limit or head_dim % 8:
+        shown = "unknown" if version is None else f"{version // 10000}.{version // 100 % 100}"
+        return (
+            f"cuDNN {shown} on {target.describe()} needs head_dim <= {limit} and a multiple "
+            f"of 8, got {head_dim}"
+        )
     return None
 
 
@@ -94,19 +116,21 @@ def select_attention(
     head_dim: int,
     device: jax.Device | None = None,
 ) -> tuple[AttentionKernel, str]:
-    """(kernel, why) for model.attention=`requested` in this compute dtype on this device."""
+    """(kernel, why) for model.attention=`requested` in this compute dtype on the device the
+    program is compiled for (`device`, else parallel.target.target_device())."""
     if requested == "xla":
         return "xla", "model.attention=xla"
     if requested == "cudnn":
         check_attention(requested, device)
         return "cudnn", "model.attention=cudnn"
-    if not is_nvidia_gpu(device):
-        platform = (device if device is not None else jax.devices()[0]).platform
-        return "chunked", f"auto: cuDNN needs an NVIDIA GPU, this is {platform}"
-    reason = cudnn_unsupported(dtype, head_dim)
+    target = target_device(device)
+    if not target.nvidia_gpu:
+        return "chunked", f"auto: cuDNN needs an NVIDIA GPU, this is {target.describe()}"
+    version = cudnn_version()
+    reason = cudnn_unsupported(dtype, head_dim, target, version)
     if reason is not None:
         return "chunked", f"auto: {reason}"
-    return "cudnn", f"auto: NVIDIA GPU, {jnp.dtype(dtype).name}, head_dim {head_dim}"
+    return "cudnn", f"auto: {target.describe()}, {jnp.dtype(dtype).name}, head_dim {head_dim}"
 
 
 def attention_mask(

@@ -18,6 +18,7 @@ from flax import nnx
 from meshtrain.config.schema import RopeScaling
 from meshtrain.models.attention import AttentionKernel, WindowOfKind, dot_product_attention
 from meshtrain.parallel.rules import Rules, constrain, mesh_axes_for
+from meshtrain.parallel.target import target_device
 
 
 def normal_param(
@@ -54,7 +55,7 @@ def _project_bwd(equation: str, residuals, dy: jax.Array):
     dx = jnp.einsum(f"{out},{w_spec}->{x_spec}", dy, w)
     contracted = x.ndim - 2  # x: [B, T, *in]
     x_t = x.reshape(-1, math.prod(x.shape[2:])).T  # [in, B·T]
-    if jax.default_backend() == "cpu":
+    if target_device().platform == "cpu":
         x_t = jax.lax.optimization_barrier(x_t)
     dw = x_t @ dy.reshape(-1, math.prod(w.shape[contracted:]))
     return dx, dw.reshape(w.shape).astype(w.dtype)

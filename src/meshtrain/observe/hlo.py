@@ -326,3 +326,22 @@ def source_target_pairs(instruction: Instruction) -> np.ndarray:
     """A collective-permute's (source, target) pairs of logical device ids, [pairs, 2]."""
     text = instruction.attribute("source_target_pairs") or "{}"
     return np.array([_ints(p) for p in re.findall(r"\{(\d+,\d+)\}", text)]).reshape(-1, 2)
+
+
+def fusion_count(module: HloModule) -> int:
+    """The fusion instructions of a compiled module: roughly the kernels it launches on a GPU."""
+    return sum(
+        instruction.opcode == "fusion"
+        for instructions in module.computations.values()
+        for instruction in instructions
+    )
+
+
+def cudnn_attention_calls(module: HloModule) -> int:
+    """Calls of cuDNN's fused attention (forward and backward) in a compiled GPU module."""
+    return sum(
+        instruction.opcode in ("custom-call", "fusion")
+        and "cudnn$fmha" in (instruction.attribute("custom_call_target") or "")
+        for instructions in module.computations.values()
+        for instruction in instructions
+    )

@@ -1,20 +1,40 @@
-"""`training.dry_run=true`: the real train step compiled for the mesh, no weight allocated, and
-its memory plan logged and written to plan.json (docs/planning.md)."""
+"""`training.dry_run=true`: the real initialisation and train step compiled for the mesh, no
+weight allocated; the memory plan logged and written to plan.json, the compile times, fusions
+and attention kernel to compile.json (docs/planning.md). With plan.target, for GPUs this host
+lacks (meshtrain.targets)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import jax
 
 from meshtrain.config.schema import Config
+from meshtrain.models.initialization import initial_params_programs
+from meshtrain.observe.compile_report import CompileReport, ProgramCompile, measure
 from meshtrain.observe.memory_plan import MemoryPlan
 from meshtrain.observe.metrics import setup_logging
+from meshtrain.parallel.target import device_target
+from meshtrain.targets.deviceless import (
+    jax_cudnn_checks_answer_for,
+    mesh_device_count,
+    target_devices,
+)
+from meshtrain.targets.gpu_specs import gpu_spec
 from meshtrain.train.optimizer import build_optimizer
-from meshtrain.train.setup import compile_train_step, describe, inspect_compiled, prepare
-from meshtrain.train.state import state_shardings
+from meshtrain.train.setup import Setup, compile_train_step, describe, inspect_compiled, prepare
+from meshtrain.train.state import (
+    TrainState,
+    abstract_train_state,
+    init_compiler_options,
+    state_program,
+    state_shardings,
+)
+from meshtrain.train.step import attention_choice
 
 log = logging.getLogger(__name__)
 
@@ -22,19 +42,61 @@ log = logging.getLogger(__name__)
 def dry_run(
     cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = None
 ) -> MemoryPlan:
-    """Compiles the train step on abstract inputs, allocating no weights, then logs the memory
-    plan and writes plan.json (and communication.json with training.profile_communication)."""
+    """Compiles the initialisation and the train step on abstract inputs, allocating no
+    weights, then logs the memory plan and the compiles and writes plan.json and compile.json
+    (and communication.json with training.profile_communication)."""
+    compiling_for = contextlib.nullcontext()
+    if cfg.plan.target is not None:
+        spec = gpu_spec(cfg.plan.target)
+        devices = target_devices(spec, mesh_device_count(cfg.model.mesh_shape, spec.name))
+        compiling_for = jax_cudnn_checks_answer_for(device_target(devices[0]))
     setup = prepare(cfg, devices, with_data=False)
     is_main = jax.process_index() == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(run_dir, is_main=is_main, rank=jax.process_index())
     describe(setup)
-    with jax.set_mesh(setup.mesh):
-        tx = build_optimizer(cfg.training)
-        shardings = state_shardings(setup.model, tx, setup.mesh)
+    tx = build_optimizer(cfg.training)
+    # Outside the mesh's context: optax builds a placeholder state eagerly, on this host.
+    shardings = state_shardings(setup.model, tx, setup.mesh)
+    with jax.set_mesh(setup.mesh), compiling_for:
+        start = time.perf_counter()
         # No data is read: nothing is padded, which changes neither memory nor communication.
         compiled, _ = compile_train_step(setup, tx, shardings, pad_id=-1)
+        step = measure([compiled], time.perf_counter() - start)
         plan, _ = inspect_compiled(setup, compiled, tx, shardings, run_dir, is_main)
-    log.info("dry run: plan written to %s", run_dir / "plan.json")
+        # After the step, as in a run (train.loop), and without its options leaking into it.
+        init = _compile_initialisation(setup, tx, shardings)
+        kernel, why = attention_choice(setup.model, cfg.training.mixed_precision)
+    device = setup.mesh.devices.flat[0]
+    report = CompileReport(
+        device=cfg.plan.target or device.device_kind,
+        devices=setup.mesh.size,
+        num_layers=cfg.model.num_layers,
+        attention=f"{kernel} ({why})",
+        init=init,
+        step=step,
+    )
+    for line in report.format():
+        log.info(line)
+    if is_main:
+        report.write(run_dir / "compile.json")
+    log.info("dry run: plan.json and compile.json written to %s", run_dir)
     return plan
+
+
+def _compile_initialisation(setup: Setup, tx, shardings: TrainState) -> ProgramCompile:
+    """Compiles the programs a fresh run initialises its state with (nothing runs)."""
+    options = init_compiler_options(shardings)
+    start = time.perf_counter()
+    lowered = [
+        *initial_params_programs(setup.cfg.model, setup.cfg.training.seed, shardings.params),
+        state_program(
+            tx,
+            shardings,
+            setup.cfg.training.seed,
+            abstract_train_state(setup.model, tx, shardings).params,
+        ),
+    ]
+    compiled = [program.compile(compiler_options=options) for program in lowered]
+    return measure(compiled, time.perf_counter() - start)

@@ -229,7 +229,9 @@ def inspect_compiled(
     cfg = setup.cfg
     communication = account_collectives(compiled.as_text(), setup.mesh)
     device, capacity = device_capacity(
-        cfg.plan.device, list(setup.mesh.devices.flat), cfg.plan.memory_fraction
+        cfg.plan.device or cfg.plan.target,
+        list(setup.mesh.devices.flat),
+        cfg.plan.memory_fraction,
     )
     plan = memory_plan(
         compiled,

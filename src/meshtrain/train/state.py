@@ -7,12 +7,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx, struct
+from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.config.schema import ModelConfig
 from meshtrain.models.abstract import AbstractModel
-from meshtrain.models.transformer import Transformer
+from meshtrain.models.initialization import initial_params
 from meshtrain.train.guard import NonfiniteRecord, initial_record
 
 # Folded into the seed for the train-step key, far from the small counters nnx folds into the
@@ -79,24 +79,33 @@ def create_train_state(
     seed: int,
     params: Any = None,
 ) -> TrainState:
-    """Initialises parameters and optimizer state inside one jit whose outputs are sharded, so
-    each device only ever materialises its own shards. The random values do not depend on the
-    mesh (jax's partitionable threefry), which keeps losses identical across mesh shapes.
-    Given `params` (already sharded: loaded by meshtrain.train.initial_weights), only the rest
-    is created."""
-    if params is not None:
-        return jax.jit(lambda p: _state_from_params(p, tx, seed), out_shardings=shardings)(params)
-
-    def init() -> TrainState:
-        model = Transformer(cfg, rngs=nnx.Rngs(seed))
-        return _state_from_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)), tx, seed)
-
-    lowered = jax.jit(init, out_shardings=shardings).lower()
-    return lowered.compile(compiler_options=_init_compiler_options(shardings))()
+    """The train state at step 0, created in its shardings, so each device only ever
+    materialises its own shards: random parameters (meshtrain.models.initialization: the same
+    values on every mesh) unless `params` are given (already sharded: loaded by
+    meshtrain.train.initial_weights; they are donated), then the optimizer state around them."""
+    options = init_compiler_options(shardings)
+    if params is None:
+        params = initial_params(cfg, seed, shardings.params, options)
+    program = state_program(tx, shardings, seed, jax.tree.map(_abstract, params))
+    return program.compile(compiler_options=options)(params)
 
 
-def _init_compiler_options(shardings: TrainState) -> dict[str, Any]:
-    """XLA options for the one-off initialisation program. On CPU, LLVM's default optimisation
+def _abstract(array: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=array.sharding)
+
+
+def state_program(
+    tx: optax.GradientTransformation, shardings: TrainState, seed: int, abstract_params: Any
+) -> jax.stages.Lowered:
+    """The program that puts a fresh optimizer state and the seed's key around parameters
+    (ShapeDtypeStructs with their shardings), which it donates."""
+    return jax.jit(
+        lambda p: _state_from_params(p, tx, seed), out_shardings=shardings, donate_argnums=0
+    ).lower(abstract_params)
+
+
+def init_compiler_options(shardings: TrainState) -> dict[str, Any]:
+    """XLA options for the one-off initialisation programs. On CPU, LLVM's default optimisation
     spends seconds on the random initialisers of a program that runs once: level 1 compiled the
     tiny model's init 3× faster (2.1 s against 6.2 s) and ran it as fast (docs/performance.md)."""
     platform = next(iter(shardings.step.mesh.devices.flat)).platform

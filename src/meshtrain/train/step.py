@@ -147,14 +147,14 @@ def one_f_one_b_loss_and_grads(
     return (loss, jnp.sum(mask)), grads
 
 
-def log_attention(model: AbstractModel, compute_dtype: jnp.dtype) -> None:
-    """The one line that says which attention kernel the step runs, and why."""
-    if model.config is None:
-        return
-    kernel, why = select_attention(
-        model.config.attention, dtype=compute_dtype, head_dim=model.config.head_dim
+def attention_choice(model: AbstractModel, mixed_precision: str) -> tuple[str, str]:
+    """The attention kernel the step runs at `mixed_precision` on the mesh being compiled for,
+    and why."""
+    return select_attention(
+        model.config.attention,
+        dtype=COMPUTE_DTYPES[mixed_precision],
+        head_dim=model.config.head_dim,
     )
-    log.info("attention: %s (%s)", kernel, why)
 
 
 def make_train_step(
@@ -178,7 +178,8 @@ def make_train_step(
     """
     mixed_precision, nonfinite = training.mixed_precision, training.nonfinite
     compute_dtype = COMPUTE_DTYPES[mixed_precision]
-    log_attention(model, compute_dtype)
+    if model.config is not None:
+        log.info("attention: %s (%s)", *attention_choice(model, mixed_precision))
     param_shardings = state_shardings.params
     mesh = jax.tree.leaves(param_shardings)[0].mesh
 

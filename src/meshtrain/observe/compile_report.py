@@ -1,0 +1,65 @@
+"""What compiling a run's programs took: the dry run's compile.json (docs/planning.md).
+
+The initialisation (the parameter and optimizer-state programs, meshtrain.models.initialization)
+and the train step, each with its compile time and its fusions (about the kernels a GPU
+launches), and the attention kernel the step runs; on a GPU target, the cuDNN attention calls
+in the compiled step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from meshtrain.observe.hlo import cudnn_attention_calls, fusion_count, parse_module
+
+
+@dataclass(frozen=True)
+class ProgramCompile:
+    """One or more programs compiled together: seconds of compiling, fusions, cuDNN calls."""
+
+    seconds: float
+    fusions: int
+    cudnn_attention_calls: int
+
+
+def measure(compiled: Iterable[jax.stages.Compiled], seconds: float) -> ProgramCompile:
+    """The fusions and cuDNN attention calls of programs that took `seconds` to compile."""
+    modules = [parse_module(program.as_text()) for program in compiled]
+    return ProgramCompile(
+        seconds=seconds,
+        fusions=sum(fusion_count(module) for module in modules),
+        cudnn_attention_calls=sum(cudnn_attention_calls(module) for module in modules),
+    )
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """The dry run's compiles: for `device` (a GPU target's name, or the devices in use)."""
+
+    device: str
+    devices: int
+    num_layers: int  # unscanned, a step's compile time grows with it
+    attention: str  # "cudnn (auto: NVIDIA H100 80GB HBM3, bfloat16, head_dim 256)"
+    init: ProgramCompile
+    step: ProgramCompile
+
+    def format(self) -> list[str]:
+        return [
+            f"compiled for {self.devices} × {self.device}: initialisation in "
+            f"{self.init.seconds:.1f} s ({self.init.fusions} fusions), train step in "
+            f"{self.step.seconds:.1f} s ({self.step.fusions} fusions, "
+            f"{self.step.cudnn_attention_calls} cuDNN attention calls)",
+            f"attention: {self.attention}",
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
