@@ -25,6 +25,7 @@ from meshtrain.models.attention import (
     select_attention,
 )
 from meshtrain.models.transformer import Transformer
+from meshtrain.observe.hlo import parse_module
 from meshtrain.parallel.target import TargetDevice, cudnn_version, target_device
 
 
@@ -59,9 +60,17 @@ def _inputs(heads, kv_heads, length=24, batch=2, head_dim=8, seed=0):
 
 # Three documents in the first row (lengths 7, 12, 5), one in the second.
 SEGMENTS = jnp.asarray([[0] * 7 + [1] * 12 + [2] * 5, [3] * 24], jnp.int32)
-# chunked with blocks of 5 (uneven: 5 blocks of 5 and one of 4) and of 8 queries; a block of
-# at least the sequence is the xla kernel itself.
-KERNELS = [("xla", None), ("chunked", 5), ("chunked", 8)]
+# chunked with blocks of 5 (uneven: 4 blocks of 5 and one of 4) and of 8 queries, unrolled as on
+# CPU and looped as compiled for a GPU (in 4 and 3 loops for full causal attention, 1 for a
+# window); a block of at least the sequence is the xla kernel itself.
+KERNELS = [
+    ("xla", None, "cpu"),
+    ("chunked", 5, "cpu"),
+    ("chunked", 8, "cpu"),
+    ("chunked", 5, "gpu"),
+    ("chunked", 8, "gpu"),
+]
+A100 = TargetDevice("gpu", "NVIDIA A100-SXM4-80GB", (8, 0))
 MASKS = {
     "causal": (None, False),
     "window": (5, False),
@@ -75,10 +84,14 @@ def _output_and_grads(fn, q, k, v, cotangent):
     return out, vjp(cotangent)
 
 
-@pytest.mark.parametrize(("kernel", "block"), KERNELS)
+@pytest.mark.parametrize(("kernel", "block", "platform"), KERNELS)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("mask", MASKS)
-def test_kernels_match_the_einsum_oracle(kernel, block, heads, kv_heads, mask):
+def test_kernels_match_the_einsum_oracle(
+    kernel, block, platform, heads, kv_heads, mask, monkeypatch
+):
+    if platform == "gpu":  # the program a GPU host compiles, run here
+        monkeypatch.setattr(attention_module, "target_device", lambda device=None: A100)
     window, segments = MASKS[mask]
     q, k, v = _inputs(heads, kv_heads)
     segment_ids = SEGMENTS if segments else None
@@ -157,7 +170,6 @@ def test_auto_picks_chunked_xla_on_cpu_and_says_why():
 
 
 H100 = TargetDevice("gpu", "NVIDIA H100 80GB HBM3", (9, 0))
-A100 = TargetDevice("gpu", "NVIDIA A100-SXM4-80GB", (8, 0))
 B200 = TargetDevice("gpu", "NVIDIA B200", (10, 0))
 
 
@@ -282,3 +294,28 @@ def test_a_traced_layer_kind_attends_with_its_own_window(kind):
     np.testing.assert_allclose(value, expected, rtol=1e-6)
     for got, want in zip(grads, expected_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_looped_chunked_kernel_does_not_grow_with_the_blocks(monkeypatch):
+    """As compiled for a GPU, 16 or 64 blocks of queries are about the same program (4 loops
+    for full causal attention, 1 for a window); unrolled on CPU, 64 blocks are 4× the code."""
+
+    def instructions(blocks, window, platform):
+        target = A100 if platform == "gpu" else TargetDevice("cpu", "cpu")
+        monkeypatch.setattr(attention_module, "target_device", lambda device=None: target)
+        q, k, v = _inputs(4, 2, length=16 * blocks)
+        fn = jax.jit(
+            jax.grad(
+                lambda q: dot_product_attention(
+                    q, k, v, kernel="chunked", window=window, block=16
+                ).sum()
+            )
+        )
+        module = parse_module(fn.lower(q).compile().as_text())
+        return sum(len(c) for c in module.computations.values())
+
+    for window in (None, 8):
+        looped = instructions(16, window, "gpu"), instructions(64, window, "gpu")
+        assert abs(looped[1] - looped[0]) < 0.05 * looped[0], looped
+        unrolled = instructions(16, window, "cpu"), instructions(64, window, "cpu")
+        assert unrolled[1] > 3 * unrolled[0], unrolled
