@@ -131,6 +131,7 @@ def test_train_from_the_command_line_with_a_quoted_mesh(tmp_path):
     assert "step 3/3" in (tmp_path / "train.log").read_text()
 
 
+@pytest.mark.slow  # about 8 s on 2 cores
 def test_multirun_sweep(tmp_path):
     result = run_training(
         "-m",
@@ -148,6 +149,7 @@ def test_multirun_sweep(tmp_path):
     assert first[0]["loss"] != second[0]["loss"]  # different seeds, different init
 
 
+@pytest.mark.slow  # about 9 s on 2 cores
 def test_on_a_terminal_a_live_bar_moves_between_log_steps(tmp_path):
     """stdout on a pseudo-terminal, as in an interactive shell: the bar shows steps that are
     not log steps, log lines stay whole above it, and the start-up phases are announced."""

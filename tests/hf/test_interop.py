@@ -110,6 +110,7 @@ def test_one_training_step_matches_transformers(family, trained):
     np.testing.assert_allclose(result.history[0]["grad_norm"], theirs["grad_norm"], rtol=1e-4)
 
 
+@pytest.mark.slow  # about 9 s on 2 cores
 def test_bf16_end_to_end_stays_close_to_transformers_fp32(checkpoints, tmp_path):
     directory = checkpoints["gemma3"]
     cfg = _config(

@@ -75,6 +75,7 @@ def test_draw_order_of_a_block():
     assert first_draws(dataclasses.replace(cfg, num_layers=3)).tolist() == [1, 8, 15]
 
 
+@pytest.mark.slow  # compiles four initialisations
 @pytest.mark.parametrize("scan", [False, True])
 def test_the_programs_do_not_grow_with_depth(scan):
     """The outer and block programs of a 2-layer and a 12-layer model have the same number of

@@ -178,6 +178,7 @@ def test_scan_stacks_parameters_on_a_replicated_layers_axis():
     np.testing.assert_array_equal(q[...][2], plain.blocks[2].attn.q[...])
 
 
+@pytest.mark.slow  # about 10 s on 2 cores
 def test_scan_and_remat_train_like_the_plain_model_on_a_sharded_mesh(tmp_path):
     common = (
         "model.mesh_shape=[[4,2],[fsdp,tp]]",

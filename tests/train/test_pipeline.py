@@ -341,7 +341,10 @@ FAST = ("training.steps=4", "checkpoint.every_steps=2", "training.log_every=1")
 
 @pytest.mark.parametrize(
     ("writer", "reader"),
-    [("[[2,4],[pp,fsdp]]", "[[8,1],[fsdp,tp]]"), ("[[8,1],[fsdp,tp]]", "[[2,4],[pp,fsdp]]")],
+    [
+        pytest.param("[[2,4],[pp,fsdp]]", "[[8,1],[fsdp,tp]]", marks=pytest.mark.slow),
+        ("[[8,1],[fsdp,tp]]", "[[2,4],[pp,fsdp]]"),
+    ],
     ids=["pp-to-fsdp", "fsdp-to-pp"],
 )
 def test_a_checkpoint_resumes_across_pp_and_non_pp_meshes(tmp_path, writer, reader):

@@ -98,6 +98,17 @@ def _to_previous_stage(x: jax.Array, stages: int) -> jax.Array:
     return jax.lax.ppermute(x, AXIS, [((s + 1) % stages, s) for s in range(stages)])
 
 
+def _hand_over(y: jax.Array, dx: jax.Array, kept: Any, stages: int) -> tuple[Any, Any, Any]:
+    """1F1B's hand-overs, y to the next stage then dx back, after the tick's other collectives
+    and before the next's, on every device: else XLA's CPU runtime may start a permute (all
+    devices meet) on some while others wait in a tp collective of their stage, a deadlock."""
+    y, dx, kept = jax.lax.optimization_barrier((y, dx, kept))
+    arrived = _to_next_stage(y, stages)
+    arrived, dx = jax.lax.optimization_barrier((arrived, dx))
+    returned = _to_previous_stage(dx, stages)
+    return jax.lax.optimization_barrier((arrived, returned, kept))
+
+
 def _stage_runner(net: Transformer, kernel: AttentionKernel) -> Callable[..., jax.Array]:
     """(stage's stacked block state, its kinds int32 [layers], which of its slots hold a layer
     bool [layers] or None for all, x [b, T, D], positions [b, T], segment_ids [b, T] or None)
@@ -344,8 +355,9 @@ def one_f_one_b(
             d_stacked, dx = vjp(cotangent)
             stage_grads = _add_where(stage_grads, d_stacked, g_on)
             dxs = _store(dxs, gi, dx, (stage == 0) & g_on)
-            arrived, returned = _to_next_stage(y, stages), _to_previous_stage(dx, stages)
-            return (arrived, returned, saved, stage_grads, outer_grads, dxs, loss_sum), None
+            kept = (saved, stage_grads, outer_grads, dxs, loss_sum)
+            arrived, returned, kept = _hand_over(y, dx, kept, stages)
+            return (arrived, returned, *kept), None
 
         start = (
             zeros_x,
