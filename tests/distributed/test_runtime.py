@@ -76,6 +76,7 @@ def start(rank: int, world: int, port: int, log: Path, *args: str) -> subprocess
         )
 
 
+@pytest.mark.slow  # about 6 s on 2 cores
 def test_a_process_killed_mid_run_ends_the_others(tmp_path):
     """Two processes started by hand with torchrun-style variables train together; when one
     is killed, the other stops at once with a message that names it, without waiting for the

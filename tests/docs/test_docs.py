@@ -34,10 +34,16 @@ def is_slow(line: str) -> bool:
     """Planning Gemma 3 27B at 4096 tokens takes about 17 s on 2 cores; the pure tp and
     dp examples take 15 to 17 s (tests/train/test_loop.py checks those meshes by default), as
     do the circular and uneven pipeline examples (tests/train/test_pipeline.py) and the
-    sync_gradients_every example (11 s; tests/train/test_gradients.py)."""
+    sync_gradients_every example (11 s; tests/train/test_gradients.py), and the multirun
+    example (7 s: two runs)."""
     planning = "model=gemma3_27b" in line and "data.seq_len=4096" in line
     slow_meshes = ('[[1,4],["fsdp","tp"]]', '[[2,4],["dp","fsdp"]]')
-    slow_keys = ("schedule=circular", "layers_per_stage=", "sync_gradients_every=")
+    slow_keys = (
+        "schedule=circular",
+        "layers_per_stage=",
+        "sync_gradients_every=",
+        "run_training.py -m ",
+    )
     return planning or any(m in line for m in (*slow_meshes, *slow_keys))
 
 

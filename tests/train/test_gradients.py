@@ -51,6 +51,7 @@ def one_device(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("one"), "[[1,1],[fsdp,tp]]", devices=1)[0]
 
 
+@pytest.mark.slow  # about 7 s on 2 cores
 def test_replicas_reduce_their_gradients_once_per_update(tmp_path, one_device):
     """[[2,4,1],[dp,fsdp,tp]] with 4 micro-batches: each replica sums its own gradients and the
     dp all-reduce runs once, moving each device's gradient shard once (ring, dp=2: 2·(1/2)·S)."""

@@ -168,6 +168,7 @@ def test_global_batch_size_derives_micro_batch(run_dir):
     assert result.setup.global_batch == 16
 
 
+@pytest.mark.slow  # about 7 s on 2 cores
 def test_bf16_matches_fp32_closely(tmp_path):
     fp32 = _one_step(tmp_path / "a", "training.micro_batch_size=2")
     bf16 = _one_step(tmp_path / "b", "training.micro_batch_size=2", "training.mixed_precision=bf16")

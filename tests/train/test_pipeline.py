@@ -131,6 +131,7 @@ def test_uneven_stages_give_the_losses_without_pp(tmp_path, without_pp, layers_p
     assert result.setup.model.param_shardings["blocks"]["mlp"]["up"].spec[0] == "pp"
 
 
+@pytest.mark.slow  # about 7 s on 2 cores
 def test_stages_that_do_not_divide_the_layers_store_them_whole(tmp_path, without_pp):
     """pp=3 over 4 layers, [2, 1, 1]: the stacked blocks cannot split over pp, so every stage
     stores them (sharded over fsdp) and runs its own."""

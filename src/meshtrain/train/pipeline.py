@@ -99,9 +99,8 @@ def _to_previous_stage(x: jax.Array, stages: int) -> jax.Array:
 
 
 def _hand_over(y: jax.Array, dx: jax.Array, kept: Any, stages: int) -> tuple[Any, Any, Any]:
-    """1F1B's hand-overs, y to the next stage then dx back, after the tick's other collectives
-    and before the next's, on every device: else XLA's CPU runtime may start a permute (all
-    devices meet) on some while others wait in a tp collective of their stage, a deadlock."""
+    """1F1B's hand-overs (y on, then dx back) after the tick's other collectives and before the
+    next's: else XLA's CPU runtime may deadlock a permute against a stage's tp collective."""
     y, dx, kept = jax.lax.optimization_barrier((y, dx, kept))
     arrived = _to_next_stage(y, stages)
     arrived, dx = jax.lax.optimization_barrier((arrived, dx))
