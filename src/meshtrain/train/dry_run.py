@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import optax
 
 from meshtrain.config.schema import Config
 from meshtrain.models.initialization import initial_params_programs
@@ -65,12 +66,11 @@ def dry_run(
         compiled, _ = compile_train_step(setup, tx, shardings, pad_id=-1)
         step = measure([compiled], time.perf_counter() - start)
         plan, _ = inspect_compiled(setup, compiled, tx, shardings, run_dir, is_main)
-        # After the step, as in a run (train.loop), and without its options leaking into it.
+        # After the step, in a run's order (train.loop).
         init = _compile_initialisation(setup, tx, shardings)
         kernel, why = attention_choice(setup.model, cfg.training.mixed_precision)
-    device = setup.mesh.devices.flat[0]
     report = CompileReport(
-        device=cfg.plan.target or device.device_kind,
+        device=cfg.plan.target or setup.mesh.devices.flat[0].device_kind,
         devices=setup.mesh.size,
         num_layers=cfg.model.num_layers,
         attention=f"{kernel} ({why})",
@@ -85,7 +85,9 @@ def dry_run(
     return plan
 
 
-def _compile_initialisation(setup: Setup, tx, shardings: TrainState) -> ProgramCompile:
+def _compile_initialisation(
+    setup: Setup, tx: optax.GradientTransformation, shardings: TrainState
+) -> ProgramCompile:
     """Compiles the programs a fresh run initialises its state with (nothing runs)."""
     options = init_compiler_options(shardings)
     start = time.perf_counter()
