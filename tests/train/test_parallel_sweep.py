@@ -12,7 +12,7 @@ from helpers.paths import REPO
 from helpers.process import subprocess_env
 
 
-@pytest.mark.slow  # about 9 minutes on 2 cores
+@pytest.mark.slow  # 9 to 13 minutes on 2 cores
 def test_every_sampled_combination_matches_or_is_refused_in_one_line():
     command = [sys.executable, str(REPO / "scripts" / "sweep_parallelism.py")]
     proc = subprocess.run(
