@@ -16,7 +16,6 @@ def test_each_target_is_a_known_accelerator_of_the_same_kind_and_memory():
     for name, spec in GPU_SPECS.items():
         accelerator = ACCELERATORS[name]
         assert spec.device_kind.lower() in accelerator.device_kinds
-        assert spec.compute_capability == accelerator.compute_capability
         assert abs(spec.memory_bytes / 2**30 - accelerator.memory_gib) < 1.0, name
 
 

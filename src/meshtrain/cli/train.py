@@ -126,12 +126,13 @@ def skip_gpu_plugin_without_gpu() -> bool:
     Must run before JAX starts its backend."""
     import jax  # here, so that `--help` and `--cfg job` need no JAX
 
+    from meshtrain.distributed.devices import use_cpu
+
     if jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS"):
         return False
     if not _gpu_plugin_installed() or gpu_present() or importlib.util.find_spec("libtpu"):
         return False
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    jax.config.update("jax_platforms", "cpu")
+    use_cpu("a GPU plugin without a GPU")
     return True
 
 

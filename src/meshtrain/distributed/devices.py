@@ -19,28 +19,28 @@ def use_fake_cpu_devices(count: int | None) -> None:
             raise_cpu_collective_timeouts()
         return
     raise_cpu_collective_timeouts()
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    try:
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:
-        raise ConfigError(
-            f"plan.fake_devices={count} must be set before JAX starts; "
-            "pass it on the command line of run_training.py"
-        ) from None
+    use_cpu(f"plan.fake_devices={count}", devices=count)
 
 
 def compile_here_for(target: str | None) -> None:
     """plan.target: this host's CPU compiles for GPUs it lacks (meshtrain.targets), so JAX must
     not look for a GPU of its own (the CUDA plugin the compile needs would fail to start
     without one). Must run before JAX starts."""
-    if target is None:
-        return
+    if target is not None:
+        use_cpu(f"plan.target={target}")
+
+
+def use_cpu(setting: str, devices: int | None = None) -> None:
+    """Makes JAX run on the CPU (as `devices` CPU devices, if given), for `setting`
+    ("plan.target=h100"); must run before JAX starts its backend, else a ConfigError naming
+    `setting`."""
     os.environ["JAX_PLATFORMS"] = "cpu"
     try:
         jax.config.update("jax_platforms", "cpu")
+        if devices is not None:
+            jax.config.update("jax_num_cpu_devices", devices)
     except RuntimeError:
         raise ConfigError(
-            f"plan.target={target} must be set before JAX starts; "
+            f"{setting} must be set before JAX starts; "
             "pass it on the command line of run_training.py"
         ) from None

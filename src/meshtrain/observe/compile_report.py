@@ -55,7 +55,6 @@ class CompileReport:
             f"{self.init.seconds:.1f} s ({self.init.fusions} fusions), train step in "
             f"{self.step.seconds:.1f} s ({self.step.fusions} fusions, "
             f"{self.step.cudnn_attention_calls} cuDNN attention calls)",
-            f"attention: {self.attention}",
         ]
 
     def to_json(self) -> dict[str, Any]:

@@ -340,7 +340,7 @@ def fusion_count(module: HloModule) -> int:
 def cudnn_attention_calls(module: HloModule) -> int:
     """Calls of cuDNN's fused attention (forward and backward) in a compiled GPU module."""
     return sum(
-        instruction.opcode in ("custom-call", "fusion")
+        instruction.opcode == "custom-call"
         and "cudnn$fmha" in (instruction.attribute("custom_call_target") or "")
         for instructions in module.computations.values()
         for instruction in instructions

@@ -22,7 +22,6 @@ class GpuSpec:
 
     name: str
     device_kind: str  # what jax reports as device_kind on a real one
-    compute_capability: tuple[int, int]
     sm_count: int
     memory_bytes: int  # as CUDA reports it
     memory_bandwidth: int  # bytes/s
@@ -34,6 +33,10 @@ class GpuSpec:
     @property
     def accelerator(self) -> Accelerator:
         return ACCELERATORS[self.name]
+
+    @property
+    def compute_capability(self) -> tuple[int, int]:
+        return self.accelerator.compute_capability
 
     def target_config(self, cudnn_version: int) -> str:
         """XLA's GpuTargetConfig text proto for this GPU with cuDNN `cudnn_version` (92800)."""
@@ -71,7 +74,6 @@ GPU_SPECS: dict[str, GpuSpec] = {
         GpuSpec(
             "h100",
             "NVIDIA H100 80GB HBM3",
-            (9, 0),
             132,
             84_942_979_072,
             3_352_320_000_000,
@@ -82,7 +84,6 @@ GPU_SPECS: dict[str, GpuSpec] = {
         GpuSpec(
             "h200",
             "NVIDIA H200",
-            (9, 0),
             132,
             151_397_597_184,
             4_800_000_000_000,
@@ -93,7 +94,6 @@ GPU_SPECS: dict[str, GpuSpec] = {
         GpuSpec(
             "b200",
             "NVIDIA B200",
-            (10, 0),
             148,
             191_514_411_008,
             7_672_320_000_000,
