@@ -236,7 +236,7 @@ def read_rate(
 ) -> dict[str, float]:
     """Median seconds per step of reading `rows` of each global batch (BatchIterator, no
     read-ahead) over `repeats` runs of `steps` consecutive steps, after one untimed step."""
-    from meshtrain.data.pipeline import BatchIterator
+    from meshtrain.data.batches import BatchIterator
 
     batches = BatchIterator(dataset, global_batch=global_batch, accum_steps=1, rows=rows, seed=0)
     shape = next(batches).shape  # [1, rows, seq_len + 1]

@@ -18,7 +18,7 @@ from meshtrain.checkpoint import (
     read_meta,
     read_params,
 )
-from meshtrain.checkpoint.manager import TEST_KILL_ENV
+from meshtrain.checkpoint.writes import TEST_KILL_ENV
 
 CONFIG = (
     'model.mesh_shape=[[4,2],["fsdp","tp"]]',
@@ -82,7 +82,7 @@ def test_sigkill_and_a_half_written_checkpoint_resume_bit_identically(tmp_path):
     assert [got[step] for step in range(4, 10)] == [expected[step] for step in range(4, 10)]
     final, reference = read_meta(checkpoints / "9"), read_meta(straight / "checkpoints" / "9")
     assert final["fingerprints"] == reference["fingerprints"]
-    assert final["data"] == reference["data"] == {"step": 9}
+    assert final["data"] == reference["data"] == {"step": 9, "position": 72}
     params = named_leaves(read_params(checkpoints / "9")[0])
     reference_params = named_leaves(read_params(straight / "checkpoints" / "9")[0])
     assert params.keys() == reference_params.keys()

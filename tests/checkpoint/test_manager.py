@@ -57,7 +57,11 @@ def test_checkpoint_holds_the_state_data_position_and_config(written):
     directory = run_dir / "checkpoints"
     assert committed_steps(directory) == [3, 6]
     meta = read_meta(directory / "3")
-    assert meta["step"] == 3 and meta["data"] == {"step": 3} and meta["global_batch"] == 8
+    assert (
+        meta["step"] == 3
+        and meta["data"] == {"step": 3, "position": 24}
+        and meta["global_batch"] == 8
+    )
     assert meta["config"]["model"]["mesh_shape"] == [[8, 1], ["fsdp", "tp"]]
     assert meta["config"]["training"]["steps"] == 6
     # The fingerprints cover params, optimizer moments, step, RNG key and the non-finite record.
@@ -135,7 +139,7 @@ def test_each_array_is_read_into_its_new_shards_with_int_keys_intact(written):
     assert embed.sharding.spec == PartitionSpec("tp", "fsdp")
     assert {shard.data.shape for shard in embed.addressable_shards} == {(96, 64)}
     np.testing.assert_array_equal(np.asarray(embed), np.asarray(result.state.params["embed"]))
-    assert int(state.step) == 6 and meta["data"] == {"step": 6}
+    assert int(state.step) == 6 and meta["data"] == {"step": 6, "position": 48}
 
 
 def test_fingerprint_is_exact_on_any_sharding_and_sees_one_flipped_bit():
@@ -235,7 +239,7 @@ def _checkpoints(cfg, setup, tx, run_dir):
         run_dir,
         *split_state(abstract),
         steps=cfg.training.steps,
-        run_config=dataclasses.asdict(cfg),
+        run_meta={"config": dataclasses.asdict(cfg)},
     )
     check_initial_weights(cfg, setup.model, resuming=checkpoints.resuming)
     return checkpoints
@@ -349,7 +353,7 @@ def test_load_params_starts_fresh_around_the_saved_weights(written, tmp_path):
     saved, _ = _read_state(source, abstract)
     assert fingerprints(state.params) == fingerprints(saved.params)
     assert fingerprints(state.params) != fingerprints(written[1].state.params)  # step 3, not 6
-    assert start == 0 and int(state.step) == 0 and batches.get_state() == {"step": 0}
+    assert start == 0 and int(state.step) == 0 and batches.get_state() == {"step": 0, "position": 0}
     adam = state.opt_state[1][0]
     assert int(adam.count) == 0
     assert all(not np.any(np.asarray(m)) for m in jax.tree.leaves(adam.mu))
@@ -368,8 +372,11 @@ def test_checkpoint_error_on_the_command_line(written, tmp_path):
     )
     assert_one_line_error(
         result,
-        f"checkpoint.resume: {source}/6 was written for another model: parameter "
-        "blocks.0.attn.k has shape (128, 8, 16) in the checkpoint but (128, 4, 16) in the model",
+        f"checkpoint {source}/6 cannot be continued with this config: model.num_kv_heads 8 → 4; "
+        "put the old value back, start a new run directory (hydra.run.dir=...), start fresh "
+        "from these weights in a new run directory with "
+        f"checkpoint.load_params={source}/6, or accept the change on purpose with "
+        "checkpoint.allow_changes=[model.num_kv_heads]",
     )
     assert not (tmp_path / "metrics.jsonl").exists()
     assert not (tmp_path / "checkpoints").exists()

@@ -1,11 +1,20 @@
 """Sampling sources by weight (data.mixture): shares, determinism, random access, and each
 source read through once per epoch of its own."""
 
+import json
+
 import numpy as np
 import pytest
 
-from meshtrain.data.mixture import MIXTURE_BLOCK, InOrder, Mixture, block_counts, shuffled_order
-from meshtrain.data.pipeline import MixedDataset, sequence_order, source_shares
+from meshtrain.data.mixture import (
+    MIXTURE_BLOCK,
+    InOrder,
+    Mixture,
+    MixtureHistory,
+    block_counts,
+    shuffled_order,
+)
+from meshtrain.data.pipeline import MixedDataset, sequence_order
 
 
 class Constant:
@@ -72,7 +81,34 @@ def test_mixed_dataset_batches_and_logged_shares():
     dataset = MixedDataset(["code", "prose"], [Constant(0, 30), Constant(1, 500)], [0.7, 0.3])
     order = sequence_order(dataset, seed=0)
     values = np.array([dataset[order[p]][0] for p in range(4_000)])
-    shares = source_shares(dataset, seed=0, positions=4_000)
+    shares = dataset.history(seed=0).shares(4_000)
     assert shares == {"code": np.mean(values == 0), "prose": np.mean(values == 1)}
     assert abs(shares["code"] - 0.7) < 0.03
-    assert source_shares(Constant(0, 5), seed=0, positions=100) == {}
+
+
+def test_a_history_continues_each_source_where_it_stopped_and_counts_what_was_drawn():
+    orders = [InOrder(100_000), InOrder(100_000)]
+    history = MixtureHistory.fresh({"a": 0.9, "b": 0.1}, seed=0)
+    first = history.current.mixture(orders)
+    drawn = [first.locate(p) for p in range(10_500)]
+    state = json.loads(json.dumps(history.continued({"a": 0.1, "b": 0.9}, 0, 10_500).to_state()))
+    resumed = MixtureHistory.from_state(state)
+    assert [s.start for s in resumed.segments] == [0, 10_500]
+    before = np.bincount([s for s, _ in drawn], minlength=2)
+    assert resumed.current.drawn == {"a": before[0], "b": before[1]}
+    assert 9_000 < before[0] < 10_500  # a full block's 9,000, then about 90% of 500
+    second = resumed.current.mixture(orders)
+    drawn += [second.locate(p) for p in range(10_500, 13_500)]
+    for source in (0, 1):  # in order, no sequence twice: each continues where it stopped
+        indices = [i for s, i in drawn if s == source]
+        assert indices == list(range(len(indices)))
+    counted = np.bincount([s for s, _ in drawn], minlength=2)
+    assert resumed.counts(13_500) == {"a": counted[0], "b": counted[1]}
+    assert resumed.shares(13_500)["b"] == counted[1] / 13_500
+    assert 2_500 < counted[1] - before[1] < 3_000  # about 90% of the 3,000 after the change
+    # The same weights and seed continue the segment they are in; position 0 starts afresh.
+    assert resumed.continued({"a": 0.1, "b": 0.9}, 0, 12_000).segments == resumed.segments
+    assert len(resumed.continued({"a": 0.1, "b": 0.9}, 1, 12_000).segments) == 3
+    assert resumed.continued({"a": 0.5}, 0, 0).to_state() == [
+        {"start": 0, "seed": 0, "sources": [["a", 0.5, 0]]}
+    ]

@@ -20,7 +20,6 @@ from meshtrain.data import (
     SyntheticDataset,
     build_dataset,
     build_tokenizer,
-    source_shares,
     validation_batches,
 )
 from meshtrain.data.shards import document_draw
@@ -164,7 +163,7 @@ def test_start_step_and_state_resume():
     ds = ArangeDataset(37)
     fresh = BatchIterator(ds, global_batch=8, accum_steps=2, rows=slice(0, 4), seed=3)
     batches = [next(fresh) for _ in range(12)]
-    assert fresh.get_state() == {"step": 12}
+    assert fresh.get_state() == {"step": 12, "position": 96}
     for k in (0, 5, 11):  # step 5 straddles the first epoch boundary at 37
         resumed = BatchIterator(
             ds, global_batch=8, accum_steps=2, rows=slice(0, 4), seed=3, start_step=k
@@ -173,7 +172,7 @@ def test_start_step_and_state_resume():
     other = BatchIterator(ds, global_batch=8, accum_steps=2, rows=slice(0, 4), seed=3)
     other.set_state(json.loads(json.dumps({"step": 7})))
     np.testing.assert_array_equal(next(other), batches[7])
-    assert other.get_state() == {"step": 8}
+    assert other.get_state() == {"step": 8, "position": 64}
 
 
 def test_accumulation_does_not_change_global_batch(stdlib_train):
@@ -355,7 +354,7 @@ def test_a_mixture_samples_its_sources_by_weight(tmp_path):
     it = BatchIterator(train, global_batch=50, accum_steps=1, rows=slice(0, 50), seed=0)
     batches = np.concatenate([next(it)[0] for _ in range(40)])  # 2,000 sequences
     drawn_code = np.mean(batches[:, 1] == ord("c"))
-    shares = source_shares(train, seed=0, positions=2_000)
+    shares = it.shares(40)  # after 40 steps of 50
     assert abs(shares["code"] - 0.7) < 0.03 and shares["code"] + shares["prose"] == 1.0
     assert abs(drawn_code - shares["code"]) < 0.01
 
@@ -380,4 +379,19 @@ def test_reading_ahead_gives_the_same_batches(stdlib_train):
         if step == 3:  # a resume moves both; what was read ahead is dropped
             plain.set_state({"step": 10})
             ahead.set_state({"step": 10})
-    assert ahead.get_state() == plain.get_state() == {"step": 12}
+    assert ahead.get_state() == plain.get_state() == {"step": 12, "position": 96}
+
+
+def test_a_resume_with_another_global_batch_continues_at_the_saved_position():
+    ds = ArangeDataset(37)
+    eight = BatchIterator(ds, global_batch=8, accum_steps=1, rows=slice(0, 8), seed=3)
+    batches = [next(eight) for _ in range(7)]  # positions 0 ... 55
+    four = BatchIterator(ds, global_batch=4, accum_steps=1, rows=slice(0, 4), seed=3)
+    four.set_state(json.loads(json.dumps({"step": 5, "position": 40})))
+    np.testing.assert_array_equal(next(four)[0], batches[5][0][:4])  # positions 40 ... 43
+    np.testing.assert_array_equal(next(four)[0], batches[5][0][4:])
+    np.testing.assert_array_equal(next(four)[0], batches[6][0][:4])
+    assert four.get_state() == {"step": 8, "position": 52}
+    older = BatchIterator(ds, global_batch=8, accum_steps=1, rows=slice(0, 8), seed=3)
+    older.set_state({"step": 6})  # a checkpoint written before positions were saved
+    np.testing.assert_array_equal(next(older), batches[6])

@@ -12,6 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from meshtrain.config import DataConfig
+from meshtrain.data import build_dataset
 from meshtrain.data.sources import (
     BadRecords,
     Part,
@@ -134,6 +136,20 @@ def test_jsonl_byte_ranges_keep_absolute_line_numbers(tmp_path):
 def test_text_file_is_one_document(tmp_path):
     (tmp_path / "a.py").write_text("print('hé')\n")
     assert read(tmp_path / "a.py")[0] == [(0, "print('hé')\n")]
+
+
+def test_an_empty_text_file_is_refused_like_an_empty_jsonl(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    assert read(tmp_path / "empty.txt") == read(tmp_path / "empty.jsonl") == ([], BadRecords())
+    for name in ("empty.txt", "empty.jsonl"):
+        cfg = DataConfig(paths=[str(tmp_path / name)], cache_dir=None)
+        with pytest.raises(DataError) as info:
+            build_dataset(cfg, split="train", vocab_size=384)
+        assert str(info.value) == (
+            "data source 'text' has no training documents; check its paths and "
+            "data.validation_fraction"
+        )
 
 
 def write_parquet(path: Path, texts: list, group: int = 2, name: str = "text") -> Path:

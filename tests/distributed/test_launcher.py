@@ -16,7 +16,14 @@ from helpers.process import RUN_TRAINING, launcher, run_launcher, subprocess_env
 from helpers.runs import SMALL_RUN, losses
 
 from meshtrain.checkpoint import committed_steps, read_meta
-from meshtrain.distributed.launcher import NodeRanks, node_ranks, process_env, shell_exit_code
+from meshtrain.distributed.launcher import (
+    ExitOrder,
+    NodeRanks,
+    node_ranks,
+    process_env,
+    shell_exit_code,
+    supervise,
+)
 from meshtrain.errors import ConfigError
 
 MESHES = ("[[8,1],[fsdp,tp]]", "[[4,2],[fsdp,tp]]", "[[2,2,2],[dp,fsdp,tp]]")
@@ -170,7 +177,117 @@ def test_launcher_stops_the_rest_and_returns_the_failing_exit_code(tmp_path):
 def test_launcher_reports_a_killed_process(tmp_path):
     result = run_script(tmp_path, "kill")
     assert result.returncode == 137
-    assert "meshtrain.launch: rank 1 was killed by SIGKILL; stopping ranks 0, 2" in result.stderr
+    assert (
+        "meshtrain.launch: rank 1 was killed by SIGKILL (exit code 137); stopping ranks 0, 2"
+        in result.stderr
+    )
+
+
+# Two ranks joined by a pipe, as by their connections: the one that ends first (SIGKILL or exit
+# 3, 0.1 s in) closes its end; the other reads that and exits 1 ("lost a peer") 10 ms later,
+# inside one 0.1 s poll of a launcher that blamed the lowest failed rank.
+ENDS = {"kill": "os.kill(os.getpid(), signal.SIGKILL)", "fail": "sys.exit(3)"}
+
+
+def start_pair(order: ExitOrder, first: int, end: str) -> None:
+    read, write = os.pipe()
+    scripts = {
+        first: f"import os, signal, sys, time; time.sleep(0.1); {ENDS[end]}",
+        1 - first: f"import os, sys, time; os.read({read}, 1); time.sleep(0.01); sys.exit(1)",
+    }
+    fds = {first: write, 1 - first: read}
+    for rank in range(2):
+        cmd = [sys.executable, "-c", scripts[rank]]
+        order.watch(subprocess.Popen(cmd, pass_fds=(fds[rank],)))
+    os.close(read)
+    os.close(write)
+
+
+@pytest.mark.parametrize(
+    ("first", "end", "code", "message"),
+    [
+        (1, "kill", 137, "meshtrain.launch: rank 1 was killed by SIGKILL (exit code 137)"),
+        (0, "fail", 3, "meshtrain.launch: rank 0 exited with code 3"),
+    ],
+)
+def test_supervise_blames_the_rank_that_failed_first(capsys, first, end, code, message):
+    other = 1 - first
+    for late in (True, False) * 3:  # the old 0.1 s polling lost each late round, most others
+        order = ExitOrder()
+        start_pair(order, first, end)
+        if late:  # both have ended before the launcher looks: zombies, not yet reaped
+            for process in order.processes:
+                os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
+        try:
+            assert supervise(order, 0, grace_s=5) == code
+        finally:
+            order.close()
+        said = capsys.readouterr().err.splitlines()
+        if late:
+            assert said == [message]
+            assert order.processes[other].returncode == 1  # it failed too, after
+        else:  # it may still be running (for its 10 ms) when the launcher stops it
+            assert said in ([message], [f"{message}; stopping ranks {other}"])
+
+
+@pytest.mark.parametrize("use_pidfds", [True, False])  # False: what systems without pidfds do
+def test_supervise_passes_over_exit_0_and_stops_the_rest(capsys, use_pidfds):
+    scripts = ["import sys; sys.exit(0)", "import sys, time; time.sleep(0.3); sys.exit(4)"]
+    order = ExitOrder(use_pidfds=use_pidfds)
+    for script in (*scripts, "import time; time.sleep(60)"):
+        order.watch(subprocess.Popen([sys.executable, "-c", script]))
+    try:
+        assert supervise(order, 4, grace_s=5) == 4
+    finally:
+        order.close()
+    assert capsys.readouterr().err == (
+        "meshtrain.launch: rank 5 exited with code 4; stopping ranks 6\n"
+    )
+    assert [p.returncode for p in order.processes] == [0, 4, -signal.SIGTERM]
+    order = ExitOrder(use_pidfds=use_pidfds)
+    for _ in range(2):
+        order.watch(subprocess.Popen([sys.executable, "-c", scripts[0]]))
+    assert supervise(order, 0, grace_s=5) == 0
+    order.close()
+
+
+def child_with_rank(parent: int, rank: int) -> int:
+    """The process id of the child of `parent` whose environment has RANK=`rank` (Linux /proc)."""
+    for pid in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
+        if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            return int(pid)
+    raise AssertionError(f"no child of {parent} has RANK={rank}")
+
+
+@pytest.mark.slow  # about 10 s on 2 cores: two processes start, compile and train
+def test_launcher_blames_a_killed_rank_not_the_rank_that_lost_it(tmp_path):
+    """SIGKILL to rank 1 of a real run: rank 0 hears of it and exits 1 moments later, but the
+    launcher names rank 1 and returns its 137 (the old 0.1 s polling often blamed rank 0)."""
+    launch = subprocess.Popen(
+        launcher(
+            "--nprocs",
+            "2",
+            "--devices-per-process",
+            "4",
+            str(RUN_TRAINING),
+            *SMALL_RUN,
+            "training.steps=100000",
+            "model.mesh_shape=[[8,1],[fsdp,tp]]",
+            f"hydra.run.dir={tmp_path}",
+        ),
+        cwd=tmp_path,
+        env=subprocess_env(1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert any("step 2/100000" in line for line in launch.stdout), launch.stderr.read()[-3000:]
+    os.kill(child_with_rank(launch.pid, 1), signal.SIGKILL)  # mid-training
+    _, stderr = launch.communicate(timeout=120)
+    assert launch.returncode == 137, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if line.startswith("meshtrain.launch: rank ")]
+    blame = "meshtrain.launch: rank 1 was killed by SIGKILL (exit code 137)"
+    assert said in ([blame], [f"{blame}; stopping ranks 0"]), stderr[-3000:]
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
@@ -269,7 +386,7 @@ def test_two_processes_match_one_process_on_every_mesh(tmp_path):
             "plan.json",
         }
         assert committed_steps(run_dir / "checkpoints") == [3]
-        assert read_meta(run_dir / "checkpoints" / "3")["data"] == {"step": 3}
+        assert read_meta(run_dir / "checkpoints" / "3")["data"] == {"step": 3, "position": 24}
         assert len([n for n in names if n.startswith("events.out.tfevents")]) == 1
         main_log = (run_dir / "train.log").read_text()
         rank_log = (run_dir / "rank1.log").read_text()

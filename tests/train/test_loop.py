@@ -9,7 +9,7 @@ import pytest
 from helpers.config import compose_config
 from helpers.runs import train_tiny
 
-from meshtrain.train.setup import prepare
+from meshtrain.train.setup import describe, prepare
 
 FAST = (
     "training.steps=5",
@@ -229,3 +229,15 @@ def test_the_loop_reads_from_the_devices_only_at_log_steps(run_dir, monkeypatch)
         )
     assert [h["step"] for h in result.history] == [1, 5, 10]
     assert metric_fetches == [["grad_norm", "learning_rate", "loss"]] * 3
+
+
+def test_too_little_data_for_one_global_batch_is_said_in_one_warning(tmp_path, caplog):
+    (tmp_path / "doc.txt").write_text("x" * 100)  # bos + 100 + eos: 4 sequences of 32 + 1
+    cfg = compose_config(f"data.paths=[{tmp_path / 'doc.txt'}]", "data.seq_len=32")
+    with caplog.at_level("WARNING"):
+        describe(prepare(cfg, jax.devices()[:1]))
+    assert caplog.messages == [
+        "data: no validation sequences (no document held out); val_loss is not logged",
+        "data: 4 training sequences, fewer than one global batch of 8: each batch holds some "
+        "sequences more than once; add documents or lower data.seq_len",
+    ]

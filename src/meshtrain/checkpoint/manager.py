@@ -23,21 +23,16 @@ Where a run resumes from (checkpoint.resume):
 Saving uses orbax's CheckpointManager: each checkpoint is written under a temporary name and
 renamed when complete (a killed write is never listed), and a checkpoint beyond checkpoint.keep is
 deleted only after the newer one has committed. All processes call every method here; orbax
-writes each array's shards from the processes that hold them.
-
-Test hook (tests only; never set it otherwise): with MESHTRAIN_TEST_KILL_AFTER_SAVE=<step> the
-process SIGKILLs itself as soon as the checkpoint of <step> has committed, and with
-MESHTRAIN_TEST_KILL_AFTER_SAVE=<step>:writing right after that save has started, while it is
-still being written. This is how tests crash a run at an exact point.
+writes each array's shards from the processes that hold them. A write the disk fails raises
+CheckpointWriteError (meshtrain.checkpoint.writes, also the test hook
+MESHTRAIN_TEST_KILL_AFTER_SAVE); from `open` to `close` the run holds the lock of its directory
+(meshtrain.checkpoint.lock).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import shutil
-import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -50,21 +45,16 @@ from jax.experimental import multihost_utils
 from meshtrain.checkpoint.layout import (
     CorruptCheckpoint,
     committed_steps,
-    find_checkpoints,
-    first_param_mismatch,
-    first_state_mismatch,
-    read_meta,
     read_state,
     save_args,
-    saved_params,
 )
-from meshtrain.config.schema import CheckpointConfig, ResumeMode, choices
+from meshtrain.checkpoint.lock import RunLocks
+from meshtrain.checkpoint.sources import Source, checked_source, later_steps_message
+from meshtrain.checkpoint.writes import OrbaxWrites, maybe_kill_for_test
+from meshtrain.config.schema import CheckpointConfig
 from meshtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-TEST_KILL_ENV = "MESHTRAIN_TEST_KILL_AFTER_SAVE"
 
 
 class DataPosition(Protocol):
@@ -77,16 +67,6 @@ class DataPosition(Protocol):
     def set_state(self, state: dict[str, Any]) -> None: ...
 
 
-@dataclasses.dataclass(frozen=True)
-class _Source:
-    """What the run starts from: checkpoints to try newest first, or nothing (a fresh init)."""
-
-    kind: str  # "resume" (the whole state) or "fresh"
-    key: str  # the config key that named the source, for messages
-    candidates: tuple[Path, ...] = ()
-    start_step: int = 0  # the step of the newest candidate with a readable description
-
-
 class RunCheckpoints:
     """The checkpoints of one run; use `open`, then as a context manager."""
 
@@ -94,17 +74,20 @@ class RunCheckpoints:
         self,
         cfg: CheckpointConfig,
         directory: Path,
-        source: _Source,
+        source: Source,
         abstract: tuple[Any, Any],
-        run_config: dict[str, Any],
+        run_meta: dict[str, Any],
+        locks: RunLocks | None = None,
     ) -> None:
         self.cfg = cfg
         self.directory = directory
         self.source = source
         self.abstract_params, self.abstract_rest = abstract
-        self.run_config = run_config
+        self.run_meta = run_meta
         self.last_saved: Path | None = None
         self._manager: ocp.CheckpointManager | None = None
+        self._writes = OrbaxWrites(directory, cfg.keep)
+        self._locks = locks or RunLocks([])
 
     @classmethod
     def open(
@@ -115,36 +98,36 @@ class RunCheckpoints:
         abstract_rest: Any,
         *,
         steps: int,
-        run_config: dict[str, Any],
+        run_meta: dict[str, Any],
+        check_meta: Callable[[dict[str, Any], Path], None] | None = None,
     ) -> RunCheckpoints:
         """Checks the checkpoint settings against the disk and the state's structure; raises
         ConfigError (nothing compiled, nothing overwritten) for a value that cannot work.
 
         The abstract targets carry the shapes and shardings of this run's mesh, so every array
         is read straight into its shards whatever mesh wrote it. `steps` is the run's last step
-        (training.steps); `run_config` is saved in each checkpoint's meta/.
+        (training.steps); the entries of `run_meta` (the run's config, ...) are saved in each
+        checkpoint's meta/ beside its step, data position and global batch.
+        `check_meta(meta, path)` checks the description of the checkpoint to resume before its
+        arrays are compared with the model's (it raises ConfigError for a run that differs).
         """
         # orbax logs each phase of every save at INFO through absl; its warnings still show.
         logging.getLogger("absl").setLevel(logging.WARNING)
         directory = (Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints").resolve()
-        source = _choose_source(cfg, directory)
-        if source.candidates:
-            source = _check_state(source, abstract_params, abstract_rest)
-        if source.start_step > steps:
-            raise ConfigError(
-                f"training.steps={steps} is below step {source.start_step} of the "
-                f"checkpoint to resume ({source.candidates[0].parent}); raise training.steps to "
-                "train on from there"
+        # Locked before its checkpoints are read (another run may be pruning them), or, for a
+        # directory yet to be made, once the checks pass; nothing is deleted or moved before.
+        locks = RunLocks.acquire(directory, Path(run_dir)) if directory.is_dir() else None
+        try:
+            source = checked_source(
+                cfg, directory, abstract_params, abstract_rest, steps, check_meta
             )
-        later = [
-            step
-            for step in committed_steps(directory)
-            if step > source.start_step and directory / str(step) not in source.candidates
-        ]
-        if later and not cfg.overwrite:
-            raise ConfigError(_later_steps_message(cfg, directory, later, source.start_step))
-        _check_writable(directory)
-        return cls(cfg, directory, source, (abstract_params, abstract_rest), run_config)
+            _check_writable(directory)
+            locks = locks or RunLocks.acquire(directory, Path(run_dir))
+        except BaseException:
+            if locks is not None:
+                locks.release()
+            raise
+        return cls(cfg, directory, source, (abstract_params, abstract_rest), run_meta, locks)
 
     @property
     def resuming(self) -> bool:
@@ -165,16 +148,9 @@ class RunCheckpoints:
                 own_directory=self.directory,
             )
             start = int(meta["step"])
+            log.info("resuming from %s at step %d", path, start)
             data.set_state(meta["data"])
             self.last_saved = path
-            log.info("resuming from %s at step %d", path, start)
-            if meta.get("global_batch") != data.global_batch:
-                log.warning(
-                    "the checkpoint was trained with a global batch of %s sequences, this run "
-                    "uses %d: the data order from here on differs from the original run's",
-                    meta.get("global_batch"),
-                    data.global_batch,
-                )
         else:
             params, rest = init()
         self._remove_later_steps(start)
@@ -197,25 +173,29 @@ class RunCheckpoints:
         return due and self._manager is not None and self._manager.latest_step() != step
 
     def save(self, step: int, params: Any, rest: Any, data: DataPosition) -> None:
-        """Starts writing the state after `step` (in the background with async_save)."""
+        """Starts writing the state after `step` (in the background with async_save). A write
+        the disk fails, this one or the previous, raises CheckpointWriteError naming its step."""
         assert self._manager is not None, "restore_or_init comes first"
         meta = {
             "step": step,
             "data": data.get_state(),
             "global_batch": data.global_batch,
-            "config": self.run_config,
+            **self.run_meta,
         }
-        self._manager.save(step, args=save_args(params, rest, meta), force=True)
+        self._writes.save(self._manager, step, save_args(params, rest, meta))
         self.last_saved = self.directory / str(step)
         log.info("checkpoint of step %d → %s", step, self.last_saved)
-        _maybe_kill_for_test(self._manager, step)
+        maybe_kill_for_test(self._writes, self._manager, step)
 
     def close(self) -> None:
-        """Waits for the last asynchronous write to commit (raising its error, if any)."""
-        if self._manager is not None:
-            manager, self._manager = self._manager, None
-            manager.wait_until_finished()
-            manager.close()
+        """Waits for the last asynchronous write to commit (CheckpointWriteError if the disk
+        failed it; after a failed write, waits for nothing) and releases the run's locks."""
+        try:
+            if self._manager is not None:
+                manager, self._manager = self._manager, None
+                self._writes.close(manager)
+        finally:
+            self._locks.release()
 
     def __enter__(self) -> RunCheckpoints:
         return self
@@ -235,7 +215,7 @@ class RunCheckpoints:
         if not later:
             return
         if not self.cfg.overwrite:
-            raise ConfigError(_later_steps_message(self.cfg, self.directory, later, start))
+            raise ConfigError(later_steps_message(self.cfg, self.directory, later, start))
         if jax.process_index() == 0:
             for step in later:
                 shutil.rmtree(self.directory / str(step))
@@ -285,84 +265,6 @@ def _set_aside(path: Path) -> None:
     _sync_processes("meshtrain_checkpoint_set_aside")
 
 
-def checkpoints_at(key: str, value: str) -> tuple[Path, ...]:
-    path = Path(value).resolve()
-    if not path.exists():
-        raise ConfigError(
-            f"{key}={value} does not exist; give a checkpoint directory such as "
-            "outputs/<name>/<date>/<time>/checkpoints/<step>, its checkpoints/ directory or its run directory"
-        )
-    found = find_checkpoints(path)
-    if not found:
-        raise ConfigError(
-            f"{key}={value} holds no complete checkpoint (a directory with params/ and meta/, "
-            "a directory of step directories, or a run directory with checkpoints/)"
-        )
-    return tuple(found)
-
-
-def _choose_source(ckpt: CheckpointConfig, directory: Path) -> _Source:
-    if ckpt.resume not in choices(ResumeMode):
-        return _Source(
-            "resume", "checkpoint.resume", checkpoints_at("checkpoint.resume", ckpt.resume)
-        )
-    if ckpt.resume == "auto":
-        own = tuple(directory / str(step) for step in reversed(committed_steps(directory)))
-        if own:
-            return _Source("resume", "checkpoint.resume", own)
-    return _Source("fresh", "checkpoint.resume")
-
-
-def check_params(key: str, path: Path, abstract_params: Any) -> None:
-    """Raises ConfigError naming `key` if the checkpoint at `path` holds another model's
-    parameters (the first that differs, with both shapes)."""
-    mismatch = first_param_mismatch(saved_params(path), abstract_params)
-    if mismatch:
-        raise ConfigError(
-            f"{key}: {path} was written for another model: {mismatch}; use the model "
-            "config it was trained with (saved in its meta/), or start fresh with "
-            "checkpoint.resume=never"
-        )
-
-
-def _check_state(source: _Source, abstract_params: Any, abstract_rest: Any) -> _Source:
-    """Compares the newest candidate that has a readable description with this run's model and
-    optimizer state; damaged ones are left for restore_or_init to report and skip."""
-    for path in source.candidates:
-        try:
-            meta = read_meta(path)
-            check_params(source.key, path, abstract_params)
-        except CorruptCheckpoint:
-            continue
-        mismatch = first_state_mismatch(meta, abstract_rest)
-        if mismatch:
-            raise ConfigError(
-                f"{source.key}: {path} was written with other optimizer settings: {mismatch}; "
-                "resume with the training.* settings it was trained with (saved in its meta/; "
-                "training.grad_clip=0 or > 0 changes the state), or fine-tune from its weights "
-                f"in a new run with checkpoint.load_params={path}"
-            )
-        return dataclasses.replace(source, start_step=int(meta.get("step", 0)))
-    return source
-
-
-def _later_steps_message(
-    ckpt: CheckpointConfig, directory: Path, later: list[int], start: int
-) -> str:
-    steps = ", ".join(map(str, later))
-    if ckpt.resume == "never":
-        return (
-            f"checkpoint.resume=never, but checkpoint.dir={directory} already holds checkpoints "
-            f"(steps {steps}); continue them with checkpoint.resume=auto, use another checkpoint.dir "
-            "or hydra.run.dir, or set checkpoint.overwrite=true to delete them"
-        )
-    return (
-        f"checkpoint.dir={directory} already holds checkpoints after the start step {start} "
-        f"(steps {steps}); use another checkpoint.dir or hydra.run.dir, or set "
-        "checkpoint.overwrite=true to delete them"
-    )
-
-
 def _check_writable(directory: Path) -> None:
     """Creates the directory and a probe file in it, so a bad path fails before any compile."""
     probe = directory / f".write-probe-{jax.process_index()}"
@@ -380,16 +282,3 @@ def _check_writable(directory: Path) -> None:
 def _sync_processes(name: str) -> None:
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
-
-
-def _maybe_kill_for_test(manager: ocp.CheckpointManager, step: int) -> None:
-    """The test hook described in the module docstring."""
-    value = os.environ.get(TEST_KILL_ENV)
-    if not value:
-        return
-    target, _, phase = value.partition(":")
-    if int(target) != step:
-        return
-    if phase != "writing":
-        manager.wait_until_finished()
-    os.kill(os.getpid(), signal.SIGKILL)

@@ -20,8 +20,10 @@ import os
 import pkgutil
 import shutil
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -29,13 +31,16 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from meshtrain.cli.exit import EXIT_NONFINITE, fail
+from meshtrain.cli.exit import EXIT_CHECKPOINT_WRITE, EXIT_NONFINITE, fail, fail_now
 from meshtrain.config.hydra import register_configs, to_config, unknown_key_message
 from meshtrain.config.schema import AUTO_CACHE, cache_dir
 from meshtrain.distributed.environment import register_run_dir_resolvers
 from meshtrain.distributed.xla_flags import merge_xla_flags
 from meshtrain.errors import ConfigError, DistributedError, did_you_mean
 from meshtrain.units import MIB
+
+if TYPE_CHECKING:
+    from meshtrain.checkpoint.writes import CheckpointWriteError
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +198,7 @@ def configure_compilation_cache(setting: str | None) -> str | None:
 def train_from_hydra(cfg: DictConfig) -> None:
     """The Hydra task: typed config → training run in Hydra's output directory."""
     # Imported here so `--help` and `--cfg job` answer without starting JAX.
+    from meshtrain.checkpoint.writes import CheckpointWriteError
     from meshtrain.distributed.devices import compile_here_for, use_fake_cpu_devices
     from meshtrain.distributed.preemption import exit_code_for
     from meshtrain.distributed.runtime import join_run, shared_failures
@@ -224,8 +230,26 @@ def train_from_hydra(cfg: DictConfig) -> None:
         if _wants_traceback():
             raise
         fail(str(err), EXIT_NONFINITE if isinstance(err, NonFiniteError) else err.exit_code)
+    except CheckpointWriteError as err:
+        _stop_after_failed_write(err)
     if result.stopped_by is not None:  # saved after SIGTERM/SIGINT: "stopped, resumable"
         sys.exit(exit_code_for(result.stopped_by))
+
+
+def _stop_after_failed_write(err: CheckpointWriteError) -> NoReturn:
+    """One line and EXIT_CHECKPOINT_WRITE for a checkpoint write the disk failed (with
+    HYDRA_FULL_ERROR=1, orbax's held-back log records and the traceback first).
+
+    The process ends with os._exit once the logs are flushed: after a failed write some of
+    orbax's writer threads wait minutes for a signal that never comes (the interpreter would
+    wait for them at exit), and the others, stopped at interpreter shutdown, print tracebacks
+    ("Event loop is closed", "sys.meta_path is None"). Nothing is left to save: the complete
+    checkpoints are on disk and the failed one is only a temporary directory.
+    """
+    if _wants_traceback():
+        err.held.show()
+        traceback.print_exception(err)
+    fail_now(str(err), EXIT_CHECKPOINT_WRITE)
 
 
 def _remove_if_only_hydra_files(run_dir: Path) -> None:

@@ -46,6 +46,8 @@ DataSource = Literal["text", "prepared", "synthetic"]
 `python -m meshtrain.data.prepare`, or random tokens."""
 BadRecordPolicy = Literal["error", "skip"]
 """data.on_bad_record."""
+DataVerify = Literal["quick", "full"]
+"""data.verify: how opening a prepared directory checks its token files (meshtrain.data.integrity)."""
 ClusterDetection = Literal["slurm", "ompi", "mpi4py", "gcetpu", "gketpu"]
 """distributed.cluster_detection."""
 
@@ -221,6 +223,8 @@ class DataConfig:
     """Threads reading the next batches ahead of the train step; 0 reads each batch when it is due."""
     cache_dir: str | None = AUTO_CACHE
     """Tokenised text sources, keyed by the files (paths, sizes, mtimes), tokenizer and text_key: auto (<cache root>/data), a directory, or null (tokenise at every launch)."""
+    verify: str = "quick"  # DataVerify
+    """What opening a prepared directory or data cache entry checks against its manifest: quick (every file's presence, header, size and a sampled checksum: milliseconds) or full (a checksum of every byte and every token id: reads the whole corpus)."""
 
 
 @dataclass
@@ -310,6 +314,8 @@ class CheckpointConfig:
     """Checkpoint or export whose parameters start a fresh run (fine-tuning); optimizer, step and data start anew."""
     async_save: bool = True
     """Write checkpoints in the background while training continues."""
+    allow_changes: list[str] = field(default_factory=list)
+    """Config keys (or parts, e.g. data.mixture) a resume may change although the checkpoint cannot be continued exactly with them; docs/checkpointing.md#what-resume-compares."""
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from meshtrain.accelerators import accelerator_named
 from meshtrain.config.pipeline import check_pipeline
+from meshtrain.config.resume import check_allow_changes
 from meshtrain.config.schema import (
     Activation,
     AttentionImpl,
@@ -18,6 +19,7 @@ from meshtrain.config.schema import (
     Config,
     DataConfig,
     DataSource,
+    DataVerify,
     Family,
     LayerKind,
     LrSchedule,
@@ -55,6 +57,7 @@ def _check_data(data: DataConfig) -> None:
     )
     _one_of("data.source", data.source, choices(DataSource))
     _one_of("data.on_bad_record", data.on_bad_record, choices(BadRecordPolicy))
+    _one_of("data.verify", data.verify, choices(DataVerify))
     _positive("data.seq_len", data.seq_len)
     require(
         0.0 <= data.validation_fraction < 1.0,
@@ -283,6 +286,7 @@ def _check_checkpoint(ckpt: CheckpointConfig) -> None:
             f"checkpoint.resume={ckpt.resume} and checkpoint.load_params={ckpt.load_params} are "
             "both set; resume continues a run with its own parameters, so drop one of them"
         )
+    check_allow_changes(ckpt.allow_changes)
 
 
 def _divisors_of_all(values: list[int]) -> list[int]:

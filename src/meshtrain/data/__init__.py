@@ -11,13 +11,12 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "BatchIterator": "meshtrain.data.pipeline",
+    "BatchIterator": "meshtrain.data.batches",
     "MixedDataset": "meshtrain.data.pipeline",
     "TokenDataset": "meshtrain.data.pipeline",
     "build_dataset": "meshtrain.data.pipeline",
     "build_datasets": "meshtrain.data.pipeline",
-    "source_shares": "meshtrain.data.pipeline",
-    "validation_batches": "meshtrain.data.pipeline",
+    "validation_batches": "meshtrain.data.batches",
     "PackedDocuments": "meshtrain.data.packing",
     "SyntheticDataset": "meshtrain.data.synthetic",
     "ByteTokenizer": "meshtrain.data.tokenizer",

@@ -6,7 +6,9 @@ and modification time (in order), the directory the document keys are relative t
 tokenizer (meshtrain.data.shards.tokenizer_identity: its kind, special ids and its files'
 contents), data.text_key, data.on_bad_record and the source of the modules that read and
 tokenise. Editing, adding or removing a file therefore makes a new entry; nothing is ever
-served stale. A hit is opened as it is: start-up costs a stat per file.
+served stale. A hit is opened as it is: start-up costs a stat per file, and the checks of
+meshtrain.data.integrity (data.verify). An entry that fails them is deleted, with a warning,
+and tokenised again: the cache can always be rebuilt.
 
 An entry is prepared in a directory of its own and renamed into place, so processes sharing
 the cache (several on one host, or a shared home directory) never see half an entry. Past
@@ -29,8 +31,9 @@ from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
 
+from meshtrain.data.integrity import DamagedCorpus
 from meshtrain.data.prepare import prepare
-from meshtrain.data.shards import PreparedCorpus, tokenizer_identity
+from meshtrain.data.shards import MANIFEST, PreparedCorpus, tokenizer_identity
 from meshtrain.units import GIB, format_bytes
 
 log = logging.getLogger(__name__)
@@ -39,7 +42,14 @@ MAX_CACHE_BYTES = 16 * GIB
 """Entries beyond this total are deleted, least recently used first (never the one in use)."""
 _FORMAT_VERSION = 2
 # The code whose output an entry holds: a change to any of these files makes new entries.
-_SOURCES = ("sources.py", "shards.py", "prepare.py", "tokenizer.py", "corpus_cache.py")
+_SOURCES = (
+    "sources.py",
+    "shards.py",
+    "integrity.py",
+    "prepare.py",
+    "tokenizer.py",
+    "corpus_cache.py",
+)
 
 
 def _code_digest() -> str:
@@ -97,6 +107,29 @@ def _temporary_directory() -> Path:
     return directory
 
 
+def cache_remedy(entry: Path) -> str:
+    """The fix a damaged cache entry's error ends with, where it is found after opening."""
+    return f"delete {entry}: the data cache tokenises its files again at the next launch"
+
+
+def _cached(entry: Path, verify: str) -> PreparedCorpus | None:
+    """The entry, opened and checked (data.verify); None if there is none, or if it was damaged
+    (then it is deleted, with a warning, to be tokenised again)."""
+    if not (entry / MANIFEST).is_file():
+        return None
+    try:
+        corpus = PreparedCorpus(entry, verify=verify, remedy=cache_remedy(entry))
+    except DamagedCorpus as err:
+        log.warning(
+            "data: %s: %s; deleted this cache entry to tokenise again", err.path, err.problem
+        )
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+    with suppress(OSError):
+        os.utime(entry)  # the modification time orders the entries for eviction
+    return corpus
+
+
 def tokenised_corpus(
     files: Sequence[Path],
     root: Path,
@@ -105,18 +138,18 @@ def tokenised_corpus(
     text_key: str,
     on_bad_record: str,
     directory: Path | None,
+    verify: str = "quick",
 ) -> PreparedCorpus:
-    """The tokens of `files`: the cached entry under `directory`, or tokenised now (and cached,
-    unless `directory` is None)."""
+    """The tokens of `files`: the cached entry under `directory` (checked as `verify` says), or
+    tokenised now (and cached, unless `directory` is None)."""
     options = {"tokenizer": tokenizer, "text_key": text_key, "on_bad_record": on_bad_record}
     if directory is None:
         return _tokenise(files, root, _temporary_directory() / "corpus", options)
     entry = directory / corpus_key(files, root, **options)
-    if (entry / "manifest.json").is_file():
-        with suppress(OSError):
-            os.utime(entry)  # the modification time orders the entries for eviction
+    corpus = _cached(entry, verify)
+    if corpus is not None:
         log.debug("data: %d files from the cache %s", len(files), entry)
-        return PreparedCorpus(entry)
+        return corpus
     try:
         directory.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=directory))
@@ -129,7 +162,7 @@ def tokenised_corpus(
     shutil.rmtree(staging, ignore_errors=True)
     log.info("data: cached in %s", entry)
     _evict(directory, keep=entry)
-    return PreparedCorpus(entry)
+    return PreparedCorpus(entry, remedy=cache_remedy(entry))
 
 
 def _tokenise(files: Sequence[Path], root: Path, out: Path, options: dict) -> PreparedCorpus:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -14,7 +12,14 @@ import numpy as np
 from meshtrain.config import DataConfig
 from meshtrain.config.schema import cache_dir
 from meshtrain.data.corpus_cache import tokenised_corpus
-from meshtrain.data.mixture import InOrder, Mixture, Order, shuffled_order
+from meshtrain.data.mixture import (
+    InOrder,
+    Mixture,
+    MixtureHistory,
+    MixtureSegment,
+    Order,
+    shuffled_order,
+)
 from meshtrain.data.packing import PackedDocuments
 from meshtrain.data.shards import MANIFEST, PreparedCorpus
 from meshtrain.data.sources import list_documents, resolve_paths, resolve_root
@@ -64,17 +69,27 @@ class MixedDataset:
         source = int(np.searchsorted(self._offsets, index, side="right")) - 1
         return self.sources[source][index - int(self._offsets[source])]
 
-    def mixture(self, seed: int | None) -> Mixture:
+    def weights_by_name(self) -> dict[str, float]:
+        return dict(zip(self.names, self.weights, strict=True))
+
+    def history(self, seed: int) -> MixtureHistory:
+        """A fresh training stream's history: one segment, these weights, from position 0."""
+        return MixtureHistory.fresh(self.weights_by_name(), seed)
+
+    def mixture(self, seed: int | None, segment: MixtureSegment | None = None) -> Mixture:
         """The weighted sampling of the sources; each shuffled anew per epoch from `seed`, or
-        read in order (None: validation)."""
+        read in order (None: validation). `segment` continues a stream at its start, each
+        source from the sequences it had supplied (MixtureHistory); None: a fresh stream."""
         orders = [
             InOrder(len(s)) if seed is None else shuffled_order(len(s), seed, i)
             for i, s in enumerate(self.sources)
         ]
-        return Mixture(orders, self.weights, seed=0 if seed is None else seed)
+        if segment is None:
+            return Mixture(orders, self.weights, seed=0 if seed is None else seed)
+        return segment.mixture(orders)
 
-    def order(self, seed: int | None) -> Order:
-        return _MixedOrder(self.mixture(seed), self._offsets)
+    def order(self, seed: int | None, segment: MixtureSegment | None = None) -> Order:
+        return _MixedOrder(self.mixture(seed, segment), self._offsets)
 
 
 class _MixedOrder:
@@ -96,15 +111,6 @@ def sequence_order(dataset: TokenDataset, seed: int | None) -> Order:
     return InOrder(len(dataset)) if seed is None else shuffled_order(len(dataset), seed)
 
 
-def source_shares(dataset: TokenDataset, seed: int, positions: int) -> dict[str, float]:
-    """Each mixture source's share of the first `positions` training sequences ({} without a
-    mixture); every sequence holds seq_len tokens, so these are shares of the tokens too."""
-    if not isinstance(dataset, MixedDataset) or positions == 0:
-        return {}
-    counts = dataset.mixture(seed).positions_per_source(positions)
-    return {name: float(c) / positions for name, c in zip(dataset.names, counts, strict=True)}
-
-
 def _is_prepared(pattern: str) -> bool:
     return (Path(pattern).expanduser() / MANIFEST).is_file()
 
@@ -116,7 +122,7 @@ def _corpora(patterns: Sequence[str], cfg: DataConfig, *, key: str) -> list[Prep
     corpora, others = [], []
     for pattern in patterns:
         if _is_prepared(pattern):
-            corpus = PreparedCorpus(Path(pattern).expanduser())
+            corpus = PreparedCorpus(Path(pattern).expanduser(), verify=cfg.verify)
             corpus.check_tokenizer(cfg.tokenizer)
             corpora.append(corpus)
         else:
@@ -135,6 +141,7 @@ def _tokenised(files: Sequence[Path], root: Path, cfg: DataConfig) -> PreparedCo
         text_key=cfg.text_key,
         on_bad_record=cfg.on_bad_record,
         directory=cache_dir(cfg.cache_dir, "data"),
+        verify=cfg.verify,
     )
     if corpus.bad_records.total:
         log.info("data: %s (data.on_bad_record=skip)", corpus.bad_records.describe())
@@ -214,11 +221,15 @@ def build_datasets(
     datasets: dict[str, TokenDataset] = {}
     if "validation" in splits and cfg.validation_paths:
         corpora = _corpora(cfg.validation_paths, cfg, key="data.validation_paths")
+        for corpus in corpora:  # ids beyond the model's embedding: one line, not a NaN loss
+            corpus.check_vocab(vocab_size)
         parts = [(c, np.arange(c.num_documents)) for c in corpora]
         datasets["validation"] = _packed(parts, cfg, tokenizer, "validation")
     rest = [split for split in splits if split not in datasets]
     if rest:
         sources = _source_corpora(cfg)
+        for corpus in (c for _, corpora, _ in sources for c in corpora):
+            corpus.check_vocab(vocab_size)
         fraction = 0.0 if cfg.validation_paths else cfg.validation_fraction
         for split in rest:
             datasets[split] = _split_dataset(sources, fraction, cfg, tokenizer, split)
@@ -257,111 +268,3 @@ def _emptied(corpora: Sequence[PreparedCorpus]) -> str:
     if skipped:
         return f": every document was skipped ({'; '.join(skipped)})"
     return "; check its paths and data.validation_fraction"
-
-
-def _require_nonempty(dataset: TokenDataset) -> None:
-    if len(dataset) == 0:
-        raise ValueError(
-            f"the {dataset.split!r} split has no sequences; check data.path, data.glob and "
-            "data.validation_fraction"
-        )
-
-
-def _check_rows(rows: slice, size: int) -> None:
-    bounded = rows.start is not None and rows.stop is not None
-    if rows.step not in (None, 1) or not bounded or not 0 <= rows.start < rows.stop <= size:
-        raise ValueError(f"rows={rows} must be a contiguous, non-empty slice of range({size})")
-
-
-class BatchIterator:
-    """Yields int32 [accum_steps, rows.stop - rows.start, seq_len + 1] batches, forever.
-
-    Step k takes positions k*global_batch ... (k+1)*global_batch - 1 of the training order
-    (`sequence_order`: shuffled anew each epoch, or a weighted mixture), arranges them as
-    [accum_steps, global_batch // accum_steps] and keeps `rows` of the second axis. So the
-    global batch depends only on (dataset, seed, global_batch, k), never on accum_steps or how
-    rows are split over processes: a run resumes on the same batches with any process count.
-
-    `workers` threads read the next `workers` steps' rows while the current one trains; a
-    step's batch depends on nothing but its index, so reading ahead changes no batch.
-    """
-
-    def __init__(
-        self,
-        dataset: TokenDataset,
-        *,
-        global_batch: int,
-        accum_steps: int,
-        rows: slice,
-        seed: int,
-        start_step: int = 0,
-        workers: int = 0,
-    ):
-        _require_nonempty(dataset)
-        if accum_steps < 1 or global_batch % accum_steps != 0:
-            raise ValueError(
-                f"global batch {global_batch} is not divisible by "
-                f"training.gradient_accumulation_steps={accum_steps}"
-            )
-        _check_rows(rows, global_batch // accum_steps)
-        self.dataset = dataset
-        self.global_batch = global_batch
-        self.accum_steps = accum_steps
-        self.rows = rows
-        self.seed = seed
-        self.step = start_step
-        self._order = sequence_order(dataset, seed)
-        self._pool = ThreadPoolExecutor(workers, "meshtrain-data") if workers else None
-        self._ahead: deque[tuple[int, Future[np.ndarray]]] = deque()
-        self._workers = workers
-
-    def __iter__(self) -> BatchIterator:
-        return self
-
-    def read(self, k: int) -> np.ndarray:
-        """Step k's rows: int32 [accum_steps, rows, seq_len + 1]."""
-        positions = np.arange(k * self.global_batch, (k + 1) * self.global_batch)
-        positions = positions.reshape(self.accum_steps, -1)[:, self.rows]  # [accum, rows]
-        batch = np.stack([self.dataset[self._order[int(p)]] for p in positions.ravel()])
-        return batch.reshape(*positions.shape, -1)
-
-    def __next__(self) -> np.ndarray:
-        k = self.step
-        if self._pool is None:
-            batch = self.read(k)
-        else:
-            if not self._ahead or self._ahead[0][0] != k:
-                self._ahead.clear()
-            while len(self._ahead) <= self._workers:
-                ahead = k + len(self._ahead)
-                self._ahead.append((ahead, self._pool.submit(self.read, ahead)))
-            batch = self._ahead.popleft()[1].result()
-        self.step = k + 1
-        return batch
-
-    def get_state(self) -> dict:
-        """Returns the position as JSON-serialisable state: the index of the next step."""
-        return {"step": self.step}
-
-    def set_state(self, state: dict) -> None:
-        """Moves to the position saved by get_state; the next batch is that step's."""
-        self.step = int(state["step"])
-        self._ahead.clear()
-
-
-def validation_batches(
-    dataset: TokenDataset, *, global_batch: int, num_batches: int, rows: slice
-) -> list[np.ndarray]:
-    """Returns the fixed validation batches, each int32 [rows.stop - rows.start, seq_len + 1].
-
-    Batch b holds positions b*global_batch ... of the validation order (`sequence_order` with
-    no seed: in order, wrapping around a short split), so every evaluation sees the same tokens.
-    """
-    _require_nonempty(dataset)
-    _check_rows(rows, global_batch)
-    order = sequence_order(dataset, None)
-    batches = []
-    for b in range(num_batches):
-        positions = np.arange(b * global_batch, (b + 1) * global_batch)[rows]
-        batches.append(np.stack([dataset[order[int(p)]] for p in positions]))
-    return batches

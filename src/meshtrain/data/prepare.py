@@ -60,6 +60,17 @@ ENCODE_CHARS = 4 << 20  # characters per encode_batch call: bounds a worker's me
 # The plan entries that must match for a rerun to resume (the root and the tokenizer's path may
 # move; the units follow from the rest).
 _PLAN_KEYS = ("version", "tokenizer", "text_key", "on_bad_record", "unit_bytes", "files")
+# A unit's entry in the manifest: its counts, and what opening it checks (absent from a unit
+# written before the checksums existed; meshtrain.data.integrity skips those checks for it).
+_UNIT_KEYS = (
+    "name",
+    "documents",
+    "tokens",
+    "tokens_sha256",
+    "tokens_sample_sha256",
+    "docs_sha256",
+    "max_token_id",
+)
 
 
 def plan_units(files: Sequence[Path], unit_bytes: int) -> list[dict[str, Any]]:
@@ -143,9 +154,7 @@ def _prepare_unit(job: dict[str, Any]) -> dict[str, Any]:
         "files": files,  # [file index, documents, tokens] per piece
         "bad_records": bad.counts,
     }
-    out = Path(job["out"])
-    write_unit(out, job["index"], tokens, hashes, dtype, stats)
-    return stats
+    return write_unit(Path(job["out"]), job["index"], tokens, hashes, dtype, stats)
 
 
 def _refuse(out: Path) -> DataError:
@@ -187,7 +196,7 @@ def _write_manifest(out: Path, plan: dict[str, Any]) -> None:
         "documents": sum(u["documents"] for u in units),
         "tokens": sum(u["tokens"] for u in units),
         "bad_records": bad.counts,
-        "units": [{k: u[k] for k in ("name", "documents", "tokens")} for u in units],
+        "units": [{k: u[k] for k in _UNIT_KEYS if k in u} for u in units],
     }
     write_json(out / MANIFEST, manifest)
 

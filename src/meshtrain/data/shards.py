@@ -7,9 +7,13 @@ Layout of a prepared directory (FORMAT_VERSION 1):
   unit-NNNNN.tokens.npy   uint16 (vocab_size <= 65536) or uint32 [unit tokens]: the unit's
                           documents' ids, no specials, one document after another
   unit-NNNNN.docs.npy     uint64 [unit documents, 2]: (token count, key hash) per document
-  unit-NNNNN.json         written last for a unit: its counts per file and bad records (the
-                          marker that the unit is done)
-  manifest.json           written last of all: plan, per-file and total counts, bad records
+  unit-NNNNN.json         written last for a unit: its counts per file, bad records, the
+                          checksums of its two files and its largest token id (the marker
+                          that the unit is done)
+  manifest.json           written last of all: plan, per-file and total counts, bad records,
+                          and per unit its counts, checksums and largest token id (the checks
+                          of meshtrain.data.integrity, run whenever the directory is opened;
+                          a manifest from before the checksums gets every other check)
 A document's key is its path relative to the root (a text file) or f"{relpath}:{record}"; the
 key hash is the first 8 bytes of its sha256, little-endian, and its draw is hash / 2**64.
 """
@@ -29,12 +33,20 @@ from typing import IO, Any
 
 import numpy as np
 
+from meshtrain.data.integrity import (
+    MANIFEST,
+    REPREPARE,
+    VERIFY_MODES,
+    DamagedCorpus,
+    check_tokens,
+    read_docs,
+    unit_checks,
+)
 from meshtrain.data.sources import BadRecords
 from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import DataError
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 PLAN = "plan.json"
 TEMP_PREFIX = ".tmp-"  # partial files of an interrupted write; removed on resume
 MAX_OPEN_UNITS = 256  # token files held open at once (each holds a file descriptor)
@@ -113,37 +125,71 @@ def write_unit(
     hashes: list[int],
     dtype: np.dtype,
     stats: dict[str, Any],
-) -> None:
+) -> dict[str, Any]:
     """Writes one unit: its documents' tokens (each int [length]) concatenated as `dtype`, their
-    (length, key hash) table, then the unit's `stats` JSON, the marker that it is complete."""
+    (length, key hash) table, then the unit's `stats` JSON with the files' checksums and its
+    largest token id (meshtrain.data.integrity.unit_checks), the marker that it is complete.
+    Returns that JSON's content."""
     lengths = np.fromiter((len(t) for t in tokens), np.uint64, len(tokens))
     flat = np.concatenate(tokens).astype(dtype) if tokens else np.zeros(0, dtype)
     table = np.stack([lengths, np.array(hashes, np.uint64).reshape(-1)], axis=1)
     name = unit_name(index)
-    write_atomic(directory / f"{name}.tokens.npy", lambda f: np.save(f, flat))
-    write_atomic(directory / f"{name}.docs.npy", lambda f: np.save(f, table))
+    tokens_path, docs_path = directory / f"{name}.tokens.npy", directory / f"{name}.docs.npy"
+    write_atomic(tokens_path, lambda f: np.save(f, flat))
+    write_atomic(docs_path, lambda f: np.save(f, table))
+    stats = {**stats, **unit_checks(tokens_path, docs_path, flat)}
     write_json(directory / f"{name}.json", stats)
+    return stats
+
+
+def _read_manifest(directory: Path, remedy: str) -> dict[str, Any]:
+    """The manifest of a prepared directory, checked to be one of FORMAT_VERSION."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise DataError(
+            f"{directory} is not a prepared directory (no {MANIFEST}); make one with "
+            f"python -m meshtrain.data.prepare --out {directory} PATH..."
+        )
+    try:
+        manifest = read_json(path)
+    except (ValueError, UnicodeDecodeError):  # json.JSONDecodeError is a ValueError
+        raise DamagedCorpus(path, "not valid JSON", remedy) from None
+    if not isinstance(manifest, dict) or manifest.get("version") != FORMAT_VERSION:
+        version = manifest.get("version") if isinstance(manifest, dict) else None
+        raise DataError(
+            f"{path}: format version {version!r} is not {FORMAT_VERSION}; prepare it again "
+            "into an empty directory"
+        )
+    return manifest
 
 
 class PreparedCorpus:
     """A complete prepared directory: per-document lengths and draws in memory (24 bytes per
-    document with the offsets), token ids read from disk as they are asked for."""
+    document with the offsets), token ids read from disk as they are asked for.
 
-    def __init__(self, directory: Path):
-        self.directory = Path(directory)
-        if not (self.directory / MANIFEST).is_file():
-            raise DataError(
-                f"{self.directory} is not a prepared directory (no {MANIFEST}); make one with "
-                f"python -m meshtrain.data.prepare --out {self.directory} PATH..."
-            )
-        self.manifest: dict[str, Any] = read_json(self.directory / MANIFEST)
-        if self.manifest.get("version") != FORMAT_VERSION:
-            raise DataError(
-                f"{self.directory / MANIFEST}: format version {self.manifest.get('version')!r} "
-                f"is not {FORMAT_VERSION}; prepare it again into an empty directory"
-            )
+    Opening it checks every unit's files against the manifest (meshtrain.data.integrity):
+    `verify` "quick" (sizes, headers, sampled checksums) or "full" (every byte and token id).
+    A damaged file raises a one-line DamagedCorpus that names it and ends with `remedy`.
+    """
+
+    def __init__(self, directory: Path, *, verify: str = "quick", remedy: str = REPREPARE):
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify={verify!r} is not one of {VERIFY_MODES}")
+        self.directory, self.remedy = Path(directory), remedy
+        self.manifest: dict[str, Any] = _read_manifest(self.directory, remedy)
+        self._dtype = np.dtype(self.manifest["token_dtype"])
         units = self.manifest["units"]
-        tables = [np.load(self.directory / f"{u['name']}.docs.npy") for u in units]
+        self._offsets: list[int] = []  # where each unit's token file's data starts
+        self.max_token_ids: list[int | None] = []  # each unit's largest id (None: unknown)
+        tables = []
+        for u in units:
+            path = self.directory / f"{u['name']}.tokens.npy"
+            offset, largest = check_tokens(
+                path, u, self._dtype, full=verify == "full", remedy=remedy
+            )
+            self._offsets.append(offset)
+            self.max_token_ids.append(largest)
+            tables.append(read_docs(self.directory / f"{u['name']}.docs.npy", u, remedy))
         table = np.concatenate(tables) if tables else np.zeros((0, 2), np.uint64)
         self.lengths: np.ndarray = table[:, 0].astype(np.int64)  # [num_documents]
         self.draws: np.ndarray = table[:, 1].astype(np.float64) / 2**64  # [num_documents]
@@ -155,10 +201,13 @@ class PreparedCorpus:
         self._names = [u["name"] for u in units]
         self._files: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self._lock = threading.Lock()
-        self._dtype = np.dtype(self.manifest["token_dtype"])
+        self._id_limit: tuple[int, str] | None = None  # (ids must be below, its key): check_vocab
         self.num_documents = len(table)
         self.num_tokens = int(self._starts[-1])
         self.bad_records = BadRecords(dict(self.manifest["bad_records"]))
+
+    def _tokens_path(self, unit: int) -> Path:
+        return self.directory / f"{self._names[unit]}.tokens.npy"
 
     def _unit_file(self, unit: int) -> tuple[int, int]:
         """(file descriptor, offset of the first token) of a unit's tokens, kept open among the
@@ -166,14 +215,11 @@ class PreparedCorpus:
         with self._lock:
             opened = self._files.get(unit)
             if opened is None:
-                path = self.directory / f"{self._names[unit]}.tokens.npy"
-                with open(path, "rb") as f:  # the .npy header: where the data starts
-                    if np.lib.format.read_magic(f) == (1, 0):
-                        np.lib.format.read_array_header_1_0(f)
-                    else:
-                        np.lib.format.read_array_header_2_0(f)
-                    offset = f.tell()
-                opened = self._files[unit] = (os.open(path, os.O_RDONLY), offset)
+                try:
+                    fd = os.open(self._tokens_path(unit), os.O_RDONLY)
+                except FileNotFoundError:
+                    raise self._damaged(unit, "removed after it was opened") from None
+                opened = self._files[unit] = (fd, self._offsets[unit])
                 if len(self._files) > MAX_OPEN_UNITS:
                     os.close(self._files.popitem(last=False)[1][0])
             else:
@@ -199,7 +245,33 @@ class PreparedCorpus:
         size = self._dtype.itemsize
         position = offset + (first - self._unit_starts[unit] + start) * size
         data = os.pread(fd, (stop - start) * size, position)
-        return np.frombuffer(data, self._dtype).astype(np.int32)
+        if len(data) != (stop - start) * size:
+            raise self._damaged(unit, "truncated after it was opened")
+        ids = np.frombuffer(data, self._dtype).astype(np.int32)
+        if self._id_limit is not None and int(ids.max()) >= self._id_limit[0]:
+            limit, key = self._id_limit
+            problem = (
+                f"token id {int(ids.max())} in document {document} is not below "
+                f"{key}={limit} (the file is damaged)"
+            )
+            raise self._damaged(unit, problem)
+        return ids
+
+    def _damaged(self, unit: int, problem: str) -> DamagedCorpus:
+        return DamagedCorpus(self._tokens_path(unit), problem, self.remedy)
+
+    def check_vocab(self, vocab_size: int, *, key: str = "model.vocab_size") -> None:
+        """Raises a one-line DataError, naming the unit file, if the manifest records a token
+        id >= `vocab_size` (the model's embedding rows); from now on every read checks its ids
+        against it too, so damage the open-time checks missed is one line, not a NaN loss."""
+        for unit, largest in enumerate(self.max_token_ids):
+            if largest is not None and largest >= vocab_size:
+                raise DataError(
+                    f"{self._tokens_path(unit)}: token ids up to {largest}, not all below "
+                    f"{key}={vocab_size}; raise {key} to {largest + 1} or more, or prepare "
+                    "the corpus with the tokenizer of the model"
+                )
+        self._id_limit = (vocab_size, key)
 
     def __del__(self) -> None:
         for fd, _ in getattr(self, "_files", {}).values():

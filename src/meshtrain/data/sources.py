@@ -285,7 +285,10 @@ def _read_parquet(path, text_key, on_bad_record, bad, part) -> Iterator[tuple[in
 
 
 def _read_text(path: Path, on_bad_record: str, bad: BadRecords) -> Iterator[tuple[int, str]]:
+    """The one document of a text file; none for an empty file, as for an empty .jsonl."""
     data = path.read_bytes()
+    if not data:
+        return
     try:
         yield 0, data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -308,9 +311,9 @@ def read_documents(
     """Yields (record number, text) of each document of `path` (or of its `part`), in file order.
 
     Record numbers: the 1-based line of a .jsonl/.jsonl.gz, the 0-based row of a parquet file, 0
-    for a text file (one document). Blank .jsonl lines are skipped silently; empty texts are
-    yielded. A bad record raises a one-line DataError, or with on_bad_record="skip" is counted
-    in `bad` and skipped.
+    for a text file (one document). Blank .jsonl lines and empty files (of any format) hold no
+    document; empty texts of records are yielded. A bad record raises a one-line DataError, or
+    with on_bad_record="skip" is counted in `bad` and skipped.
     """
     if on_bad_record not in ON_BAD_RECORD:
         raise DataError(

@@ -146,6 +146,17 @@ class HFTokenizer:
         encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, np.int32) for e in encodings]
 
+    def encode_with_offsets(
+        self, text: str, *, add_special_tokens: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Returns the int32 ids [n] of `text` and each token's [start, end) character offsets in
+        it, int64 [n, 2] (what tells a chat's assistant tokens apart). No specials by default, as
+        transformers' apply_chat_template tokenizes a rendered chat; with them, the bos or eos
+        the tokenizer.json adds (offsets (0, 0))."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        offsets = np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
+        return np.asarray(encoding.ids, np.int32), offsets
+
     def encode_bytes(self, data: bytes) -> np.ndarray:
         """Returns the ids of a file's UTF-8 text; invalid bytes become U+FFFD."""
         return self.encode(data.decode("utf-8", errors="replace"))

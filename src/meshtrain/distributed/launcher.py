@@ -7,7 +7,7 @@ Each process gets torchrun-style variables (MASTER_ADDR, MASTER_PORT, RANK, WORL
 LOCAL_RANK, LOCAL_WORLD_SIZE), its own K devices (K faked CPU devices, or K of the machine's
 GPUs) and MESHTRAIN_RUN_ID, so that all processes write into one run directory. Every output
 line is prefixed with `[rank R]`. When a process fails, the others are stopped and the launcher
-exits with the failed process's exit code.
+exits with the exit code of the first to fail (ExitOrder), not of those that failed after it.
 
 Alone, it runs a whole job on this machine (coordinator 127.0.0.1, a free port). On several
 machines, run it on each with the same MASTER_ADDR (the first machine's address), MASTER_PORT
@@ -19,7 +19,9 @@ the machines before it (RANK=4 on the second of two machines with --nprocs 4).
 from __future__ import annotations
 
 import os
+import queue
 import re
+import select
 import shutil
 import signal
 import socket
@@ -28,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -158,11 +161,13 @@ def process_env(
 
 
 def describe_exit(code: int) -> str:
+    """A child's return code in words, e.g. "was killed by SIGKILL (exit code 137)"."""
     if code < 0:
         try:
-            return f"was killed by {signal.Signals(-code).name}"
+            name = signal.Signals(-code).name
         except ValueError:
-            return f"was killed by signal {-code}"
+            name = f"signal {-code}"
+        return f"was killed by {name} (exit code {shell_exit_code(code)})"
     return f"exited with code {code}"
 
 
@@ -221,6 +226,62 @@ def _raise_interrupted(signum: int, frame: object) -> None:
     raise _Interrupted(signum)
 
 
+class ExitOrder:
+    """The watched processes' ends, in the order they happened: the kernel appends each pidfd to
+    one epoll set's ready list the moment its process ends, and epoll reports them in that order
+    however late the launcher looks. Without pidfds (not Linux), one thread per process waits for
+    it: the order the threads wake in, the same unless two processes end within moments."""
+
+    def __init__(self, *, use_pidfds: bool = True) -> None:
+        self.processes: list[subprocess.Popen] = []
+        try:  # pidfds: Linux 5.3 and later, unless a sandbox says no
+            os.close(os.pidfd_open(os.getpid()))
+            self._epoll = select.epoll() if use_pidfds else None
+        except (AttributeError, OSError):
+            self._epoll = None
+        self._pidfds: dict[int, int] = {}  # pidfd → index in processes
+        self._woken: queue.SimpleQueue[int] = queue.SimpleQueue()  # indexes, without pidfds
+
+    def watch(self, process: subprocess.Popen) -> None:
+        """Adds a process; right after it starts, so that even an instant end keeps its place."""
+        index = len(self.processes)
+        self.processes.append(process)
+        if self._epoll is None:
+            threading.Thread(target=self._wait, args=(index,), daemon=True).start()
+            return
+        pidfd = os.pidfd_open(process.pid)
+        self._pidfds[pidfd] = index
+        self._epoll.register(pidfd, select.EPOLLIN)
+
+    def _wait(self, index: int) -> None:
+        self.processes[index].wait()
+        self._woken.put(index)
+
+    def ended(self, timeout: float) -> list[int]:
+        """Indexes of the processes that ended since the last call, earliest first (reaped, so
+        their returncode is set); waits up to `timeout` seconds for one."""
+        indexes: list[int] = []
+        if self._epoll is None:
+            with suppress(queue.Empty):
+                indexes.append(self._woken.get(timeout=timeout))
+                while True:
+                    indexes.append(self._woken.get_nowait())
+            return indexes
+        for pidfd, _ in self._epoll.poll(timeout):
+            self._epoll.unregister(pidfd)
+            os.close(pidfd)
+            indexes.append(self._pidfds.pop(pidfd))
+            self.processes[indexes[-1]].wait()  # a zombie until reaped here
+        return indexes
+
+    def close(self) -> None:
+        """Releases the pidfds and the epoll set (the waiter threads end with their processes)."""
+        while self._pidfds:
+            os.close(self._pidfds.popitem()[0])
+        if self._epoll is not None:
+            self._epoll.close()
+
+
 def _stop(processes: Sequence[subprocess.Popen], grace_s: float) -> None:
     """SIGTERM to the processes still running, SIGKILL to those still there after grace_s."""
     alive = [p for p in processes if p.poll() is None]
@@ -267,7 +328,7 @@ def launch(args: LaunchOptions, environ: Mapping[str, str] | None = None) -> int
         f"device(s) per process, {RUN_ID_VAR}={run_id}"
     )
     lock = threading.Lock()
-    processes: list[subprocess.Popen] = []
+    order = ExitOrder()
     pumps: list[_Pump] = []
     threads: list[threading.Thread] = []
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
@@ -288,7 +349,7 @@ def launch(args: LaunchOptions, environ: Mapping[str, str] | None = None) -> int
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
             )
-            processes.append(process)
+            order.watch(process)
             prefix = f"[rank {node.first_rank + local_rank}] ".encode()
             for source, sink in (
                 (process.stdout, sys.stdout.buffer),
@@ -299,14 +360,15 @@ def launch(args: LaunchOptions, environ: Mapping[str, str] | None = None) -> int
                 thread.start()
                 pumps.append(pump)
                 threads.append(thread)
-        return _supervise(processes, node.first_rank, args.grace_period)
+        return supervise(order, node.first_rank, args.grace_period)
     except (KeyboardInterrupt, _Interrupted) as err:
         signum = err.signum if isinstance(err, _Interrupted) else signal.SIGINT
         _say(f"{signal.Signals(signum).name} received; stopping all processes")
-        _stop(processes, args.grace_period)
+        _stop(order.processes, args.grace_period)
         return 128 + signum
     finally:
         signal.signal(signal.SIGTERM, previous)
+        order.close()
         for thread in threads:
             thread.join(timeout=5)
         hidden = sum(pump.hidden for pump in pumps)
@@ -314,20 +376,25 @@ def launch(args: LaunchOptions, environ: Mapping[str, str] | None = None) -> int
             _say(f"hid {hidden} Gloo connection line(s); --verbose shows them")
 
 
-def _supervise(processes: Sequence[subprocess.Popen], first_rank: int, grace_s: float) -> int:
-    """Waits for all processes; at the first failure stops the rest and returns its exit code."""
-    while True:
-        codes = [process.poll() for process in processes]
-        failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
-        if failed:
-            index, code = failed[0]
-            rest = [str(first_rank + i) for i, c in enumerate(codes) if c is None]
-            _say(
-                f"rank {first_rank + index} {describe_exit(code)}"
-                + (f"; stopping ranks {', '.join(rest)}" if rest else "")
-            )
-            _stop(processes, grace_s)
-            return shell_exit_code(code)
-        if all(code == 0 for code in codes):
-            return 0
-        time.sleep(0.1)
+def supervise(order: ExitOrder, first_rank: int, grace_s: float) -> int:
+    """Waits for all processes; at the first failure (the earliest end with a nonzero code)
+    stops the rest and returns that process's exit code, as a shell reports it."""
+    running = set(range(len(order.processes)))
+    while running:
+        for index in order.ended(timeout=1.0):
+            running.discard(index)
+            code = order.processes[index].returncode
+            if code != 0:
+                _report_failure(order.processes, first_rank, index)
+                _stop(order.processes, grace_s)
+                return shell_exit_code(code)
+    return 0
+
+
+def _report_failure(processes: Sequence[subprocess.Popen], first_rank: int, index: int) -> None:
+    """ "rank R was killed by SIGKILL (exit code 137); stopping ranks 0, 2" on stderr."""
+    rest = [str(first_rank + i) for i, p in enumerate(processes) if p.poll() is None]
+    _say(
+        f"rank {first_rank + index} {describe_exit(processes[index].returncode)}"
+        + (f"; stopping ranks {', '.join(rest)}" if rest else "")
+    )

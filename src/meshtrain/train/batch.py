@@ -65,6 +65,10 @@ class DeviceBatches:
             self._state_before_ahead = self._batches.get_state()
             self._ahead = to_global_array(next(self._batches), self._sharding, self._global_shape)
 
+    def shares(self, step: int) -> dict[str, float]:
+        """Each mixture source's share of the steps before `step` (BatchIterator.shares)."""
+        return self._batches.shares(step)
+
     def get_state(self) -> dict:
         if self._state_before_ahead is not None:
             return self._state_before_ahead

@@ -16,7 +16,8 @@ from typing import Any
 import jax
 
 from meshtrain.checkpoint.layout import CorruptCheckpoint, read_meta, read_params
-from meshtrain.checkpoint.manager import check_params, checkpoints_at, read_newest
+from meshtrain.checkpoint.manager import read_newest
+from meshtrain.checkpoint.sources import check_params, checkpoints_at
 from meshtrain.config.schema import Config
 from meshtrain.hf.load import check_init_from, checkpoint_dir, load_params
 from meshtrain.models.abstract import AbstractModel

@@ -10,7 +10,7 @@ import math
 import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 
 from meshtrain.checkpoint import RunCheckpoints
 from meshtrain.config.schema import Config
-from meshtrain.data import BatchIterator, source_shares
+from meshtrain.data import BatchIterator
 from meshtrain.distributed.preemption import StopSignals
 from meshtrain.observe.communication import CommunicationReport
 from meshtrain.observe.metrics import MetricsWriter, setup_logging
@@ -33,6 +33,7 @@ from meshtrain.train.guard import raise_if_nonfinite
 from meshtrain.train.initial_weights import check_initial_weights, load_initial_params
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.pipeline_plan import measure_bubble
+from meshtrain.train.resume import check_resume, run_meta
 from meshtrain.train.setup import (
     Setup,
     compile_train_step,
@@ -77,10 +78,14 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
     tx = build_optimizer(training)
     shardings = state_shardings(setup.model, tx, setup.mesh)
     checkpoints = _open_checkpoints(setup, tx, shardings, run_dir)
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(run_dir, is_main=is_main, rank=jax.process_index())
-    describe(setup)
+    try:  # until the `with` below, a failure must not keep the run's directory locked
+        if is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        setup_logging(run_dir, is_main=is_main, rank=jax.process_index())
+        describe(setup)
+    except BaseException:
+        checkpoints.close()
+        raise
 
     signals = StopSignals(agree_every=training.log_every)
     with (
@@ -132,6 +137,7 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
                 log_now = step == start_step + 1 or step % training.log_every == 0 or is_last
                 if log_now or eval_now or stop:
                     values = _step_metrics(metrics, clock, meter, step, setup)
+                    values.update(_data_shares(batches, step))
                     if eval_now:
                         values["val_loss"] = evaluate(state.params)
                         values["val_perplexity"] = math.exp(min(values["val_loss"], 80.0))
@@ -164,15 +170,21 @@ def _open_checkpoints(
     disk before anything compiles or is written."""
     cfg = setup.cfg
     params, rest = split_state(abstract_train_state(setup.model, tx, shardings))
+    meta = run_meta(cfg)
     checkpoints = RunCheckpoints.open(
         cfg.checkpoint,
         run_dir,
         params,
         rest,
         steps=cfg.training.steps,
-        run_config=asdict(cfg),
+        run_meta=meta,
+        check_meta=lambda saved, path: check_resume(saved, path, meta, setup.global_batch),
     )
-    check_initial_weights(cfg, setup.model, resuming=checkpoints.resuming)
+    try:
+        check_initial_weights(cfg, setup.model, resuming=checkpoints.resuming)
+    except BaseException:
+        checkpoints.close()  # releases the lock of its directory
+        raise
     return checkpoints
 
 
@@ -244,9 +256,13 @@ def _step_metrics(
     tokens_per_step = setup.global_batch * setup.cfg.data.seq_len
     values["tokens_per_sec"] = tokens_per_step / values["step_time_s"]
     values.update(meter.metrics(values["step_time_s"]))
-    shares = source_shares(setup.train_data, setup.cfg.training.seed, step * setup.global_batch)
-    values.update({f"data_share/{name}": share for name, share in shares.items()})
     return values
+
+
+def _data_shares(batches: DeviceBatches, step: int) -> dict[str, float]:
+    """data_share/<source>: each mixture source's share of the sequences of steps 1..step, as
+    drawn (the steps before a resume included)."""
+    return {f"data_share/{name}": share for name, share in batches.shares(step).items()}
 
 
 def _stop_if_nonfinite(state: TrainState, cfg: Config, checkpoints: RunCheckpoints) -> None:

@@ -134,6 +134,10 @@ def prepare(
                 "tokens; add documents or lower data.seq_len"
             )
     if validation_data is not None and len(validation_data) == 0:
+        if cfg.training.eval_every > 0:
+            log.warning(
+                "data: no validation sequences (no document held out); val_loss is not logged"
+            )
         validation_data = None
     return Setup(
         cfg, mesh_spec, mesh, model, micro, train_data, validation_data, documents, pipeline
@@ -180,6 +184,13 @@ def describe(setup: Setup) -> None:
             cfg.data.source,
             masking,
         )
+        if len(setup.train_data) < setup.global_batch:
+            log.warning(
+                "data: %d training sequences, fewer than one global batch of %d: each batch "
+                "holds some sequences more than once; add documents or lower data.seq_len",
+                len(setup.train_data),
+                setup.global_batch,
+            )
         mixture = setup.train_data.parts if isinstance(setup.train_data, MixedDataset) else []
         for name, source, weight in mixture:
             log.info("data: mixture source %s: weight %g, %d sequences", name, weight, len(source))

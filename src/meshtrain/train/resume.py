@@ -1,0 +1,74 @@
+"""Whether a checkpoint can be continued by this run: its saved config compared with this one
+(meshtrain.config.resume holds which keys are refused, allowed or ignored), with the values the
+config alone does not show filled in: the global batch in sequences and the tokenizer's
+identity (its files' contents, not its path)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from meshtrain.config.resume import compare, flatten, refusal
+from meshtrain.config.schema import Config
+from meshtrain.data.shards import tokenizer_identity
+from meshtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def run_meta(cfg: Config) -> dict[str, Any]:
+    """What each checkpoint's meta/ records of the run: its config and its tokenizer's identity
+    (None for synthetic data, which has no tokenizer)."""
+    synthetic = cfg.data.source == "synthetic"
+    return {
+        "config": asdict(cfg),
+        "tokenizer": None if synthetic else tokenizer_identity(cfg.data.tokenizer),
+    }
+
+
+def _compared(config: dict[str, Any], global_batch: int | None) -> dict[str, Any]:
+    """The flattened config as resume compares it: the global batch in sequences, and the
+    training data's validation fraction as it applies (none is held out of the training data
+    where data.validation_paths is set)."""
+    flat = flatten(config)
+    flat["training.global_batch_size"] = global_batch  # not compared where a checkpoint lacks it
+    if global_batch is None:
+        del flat["training.global_batch_size"]
+    if flat.get("data.validation_paths"):
+        flat["data.validation_fraction"] = 0.0
+    return flat
+
+
+def _tokenizers(saved_meta: dict[str, Any], current: dict[str, Any]) -> tuple[str, str]:
+    """(saved, current) data.tokenizer as compared: the names, equal where the identities are
+    (a tokenizer file that moved), and told apart where the same name has other contents."""
+    old, new = saved_meta["config"]["data"]["tokenizer"], current["config"]["data"]["tokenizer"]
+    old_id, new_id = saved_meta.get("tokenizer"), current["tokenizer"]
+    if old_id is None or new_id is None:  # older checkpoints, or synthetic data
+        return old, new
+    if old_id == new_id:
+        return new, new
+    if old == new:
+        return f"{old} (vocab_size {old_id['vocab_size']})", f"{new} (other contents)"
+    return old, new
+
+
+def check_resume(
+    meta: dict[str, Any], path: Path, current: dict[str, Any], global_batch: int
+) -> None:
+    """Raises ConfigError (one line) if the checkpoint at `path`, described by `meta`, was
+    trained on what this run (`current`: run_meta(cfg)) would compute or read differently, and
+    logs the changes that are allowed. A checkpoint without a saved config is not compared."""
+    if "config" not in meta:
+        return
+    cfg = current["config"]
+    saved = _compared(meta["config"], meta.get("global_batch"))
+    now = _compared(cfg, global_batch)
+    saved["data.tokenizer"], now["data.tokenizer"] = _tokenizers(meta, current)
+    changes = compare(saved, now, cfg["checkpoint"]["allow_changes"])
+    if any(change.refused for change in changes):
+        raise ConfigError(refusal(changes, str(path)))
+    if changes:
+        log.info("resuming with changed settings: %s", ", ".join(map(str, changes)))
