@@ -215,9 +215,7 @@ class MeshtrainStep:
         shardings = state_shardings(setup.model, tx, setup.mesh)
         with jax.set_mesh(setup.mesh):
             start = time.perf_counter()
-            self.compiled, batch_sharding = compile_train_step(
-                setup, tx, shardings, pad_id=setup.train_data.pad_id
-            )
+            self.compiled, batch_sharding = compile_train_step(setup, tx, shardings)
             self.compile_s = time.perf_counter() - start
             self.state = create_train_state(cfg.model, tx, shardings, cfg.training.seed)
         batches = BatchIterator(
@@ -457,7 +455,7 @@ def fits(cfg, devices) -> bool:
     shardings = state_shardings(setup.model, tx, setup.mesh)
     try:
         with jax.set_mesh(setup.mesh):
-            compiled, _ = compile_train_step(setup, tx, shardings, pad_id=setup.train_data.pad_id)
+            compiled, _ = compile_train_step(setup, tx, shardings)
     except Exception as err:  # XLA reports a step that cannot fit as a compile error
         progress(f"  does not compile: {str(err).splitlines()[0][:200]}")
         return False

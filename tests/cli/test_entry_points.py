@@ -11,7 +11,7 @@ COMMANDS = {
     "meshtrain-generate": "meshtrain.cli.generate:main",
     "meshtrain-export": "meshtrain.cli.export:main",
     "meshtrain-launch": "meshtrain.cli.launch:main",
-    "meshtrain-prepare": "meshtrain.data.prepare:main",
+    "meshtrain-prepare": "meshtrain.data.prepare_command:main",
 }
 
 

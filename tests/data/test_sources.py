@@ -14,6 +14,7 @@ import pytest
 
 from meshtrain.config import DataConfig
 from meshtrain.data import build_dataset
+from meshtrain.data.parts import split_jsonl, split_parquet
 from meshtrain.data.sources import (
     BadRecords,
     Part,
@@ -21,8 +22,6 @@ from meshtrain.data.sources import (
     list_documents,
     read_documents,
     resolve_paths,
-    split_jsonl,
-    split_parquet,
 )
 from meshtrain.errors import ConfigError, DataError
 

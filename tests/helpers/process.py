@@ -50,9 +50,15 @@ def _scratch_root() -> Path:
 
 
 def scratch_dir() -> Path:
-    """A new empty directory to run a child in, so that what it writes relative to its working
-    directory (Hydra's `outputs/` and `multirun/`) lands there and not in the checkout."""
-    return Path(tempfile.mkdtemp(dir=_scratch_root()))
+    """A new directory to run a child in, so that what it writes relative to its working
+    directory (Hydra's `outputs/` and `multirun/`) lands there and not in the checkout. The
+    inputs the docs name by relative path (examples/, tests/fixtures/) are linked in, read-only
+    in spirit, so a documented command runs there as written from the repository's root."""
+    directory = Path(tempfile.mkdtemp(dir=_scratch_root()))
+    (directory / "examples").symlink_to(REPO / "examples")
+    (directory / "tests").mkdir()
+    (directory / "tests" / "fixtures").symlink_to(REPO / "tests" / "fixtures")
+    return directory
 
 
 def run_python(

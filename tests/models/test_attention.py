@@ -27,6 +27,7 @@ from meshtrain.models.attention import (
 from meshtrain.models.transformer import Transformer
 from meshtrain.observe.hlo import parse_module
 from meshtrain.parallel.target import TargetDevice, cudnn_version, target_device
+from meshtrain.train.documents import TokenFormat
 
 
 def einsum_attention(q, k, v, *, scale, window=None, segment_ids=None):
@@ -236,7 +237,7 @@ def test_the_step_logs_the_kernel_it_runs(caplog):
             learning_rate_schedule(cfg.training),
             state_shardings=state_shardings(setup.model, tx, setup.mesh),
             batch_sharding=None,
-            pad_id=0,
+            token_format=TokenFormat(pad_id=0),
             training=cfg.training,
         )
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention:")]

@@ -18,6 +18,7 @@ from meshtrain.models.abstract import abstract_model
 from meshtrain.models.transformer import Transformer
 from meshtrain.observe.communication import account_collectives
 from meshtrain.parallel.mesh import build_mesh, parse_mesh_shape
+from meshtrain.train.documents import TokenFormat
 from meshtrain.train.loss import output_cross_entropy
 from meshtrain.train.step import token_loss_sum
 
@@ -94,7 +95,9 @@ def test_the_models_loss_is_the_log_softmax_of_its_logits(tie):
     tokens = tokens.at[1, 25:].set(0)  # padding (pad id 0) at the end of the second row
 
     def loss(params):
-        return token_loss_sum(model, params, tokens, pad_id=0, compute_dtype=jnp.float32)
+        return token_loss_sum(
+            model, params, tokens, token_format=TokenFormat(pad_id=0), compute_dtype=jnp.float32
+        )
 
     (total, count), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 

@@ -322,9 +322,7 @@ def _temporaries(schedule):
     )
     tx = build_optimizer(setup.cfg.training)
     with jax.set_mesh(setup.mesh):
-        compiled, _ = compile_train_step(
-            setup, tx, state_shardings(setup.model, tx, setup.mesh), pad_id=0
-        )
+        compiled, _ = compile_train_step(setup, tx, state_shardings(setup.model, tx, setup.mesh))
     return compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -57,6 +57,12 @@ REFUSED = {
     *(
         f"data.{k}"
         for k in [
+            "messages_key",
+            "prompt_key",
+            "completion_key",
+            "chat_template",
+            "train_on",
+            "overlong",
             "source",
             "paths",
             "path",

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 
 from meshtrain.cli.exit import fail
+from meshtrain.cli.train import skip_gpu_plugin_without_gpu
 from meshtrain.errors import ConfigError
 from meshtrain.inference.export import EXPORTERS, ExportError, export
 from meshtrain.observe.metrics import setup_logging
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path, help="new (or empty) directory to write")
     parser.add_argument("--format", default="orbax", choices=sorted(EXPORTERS))
     args = parser.parse_args(argv)
+    skip_gpu_plugin_without_gpu()  # before JAX starts: no CUDA failure printed on a CPU host
     setup_logging(None, is_main=True)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-phase INFO lines
     jax.config.update("jax_platforms", "cpu")  # whole arrays on the host; no accelerator needed

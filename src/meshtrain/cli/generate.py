@@ -5,6 +5,12 @@
 directory), any `meshtrain.export` output (orbax, safetensors or hf), or a Hugging Face
 checkpoint directory (config.json, *.safetensors). The tokenizer is the one the run trained
 with, else the one the directory carries (inference.load.load_tokenizer), unless --tokenizer.
+
+With --chat the prompt is a user message (after a --system message if given), or --messages
+FILE.json holds the conversation; it is rendered with the tokenizer's chat template (the files
+beside the tokenizer, as data.chat_template reads them) or --chat-template FILE.jinja, and only
+the assistant's answer is printed: up to the template's end-of-turn token, eos or
+--max-new-tokens (inference.generate.generate_chat).
 """
 
 from __future__ import annotations
@@ -16,25 +22,35 @@ import sys
 from pathlib import Path
 
 from meshtrain.cli.exit import fail
-from meshtrain.data.tokenizer import build_tokenizer
+from meshtrain.cli.train import skip_gpu_plugin_without_gpu
+from meshtrain.data.chat import ChatEncoder, build_chat_encoder
+from meshtrain.data.tokenizer import Tokenizer, build_tokenizer
 from meshtrain.errors import ConfigError
-from meshtrain.inference.generate import generate
+from meshtrain.inference.generate import generate, generate_chat
 from meshtrain.inference.load import load_model, load_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m meshtrain.generate",
-        description="Continue a prompt with a meshtrain or Hugging Face checkpoint (greedy "
-        "unless --temperature).",
+        description="Continue a prompt with a meshtrain or Hugging Face checkpoint, or answer "
+        "it as a chat message (--chat); greedy unless --temperature.",
     )
     parser.add_argument(
         "checkpoint",
         help="meshtrain checkpoint, checkpoints/ or run directory; a meshtrain.export output; "
         "or a Hugging Face directory (config.json, *.safetensors, tokenizer)",
     )
-    parser.add_argument("prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument(
+        "prompt", nargs="?", help="the text to continue; with --chat, the user's message"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=32,
+        help="the most tokens to generate (default 32); it stops earlier at eos, and with "
+        "--chat at the template's end-of-turn token",
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -45,8 +61,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mesh-shape", help='shard the model over the visible devices, e.g. [[4,2],["fsdp","tp"]]'
     )
-    args = parser.parse_args(argv)
+    chat = parser.add_argument_group(
+        "chat", "answer a conversation in the tokenizer's chat template; print only the answer"
+    )
+    chat.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user message: render it with the chat template, generate until "
+        "the template's end-of-turn token or eos",
+    )
+    chat.add_argument("--system", help="with --chat: a system message before the user's")
+    chat.add_argument(
+        "--messages",
+        metavar="FILE.json",
+        help='the conversation instead of the prompt: a JSON list of {"role", "content"} '
+        "(system, user, assistant); implies --chat",
+    )
+    chat.add_argument(
+        "--chat-template",
+        metavar="FILE.jinja",
+        help="the chat template to use instead of the tokenizer's own",
+    )
+    args = parser.parse_intermixed_args(argv)  # the prompt before or after the options
+    args.chat = args.chat or args.messages is not None
     logging.basicConfig(format="meshtrain: %(message)s", level=logging.WARNING)
+    skip_gpu_plugin_without_gpu()  # before JAX starts: no CUDA failure printed on a CPU host
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's own lines about each read
     path = Path(args.checkpoint)
     try:
@@ -55,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--max-new-tokens={args.max_new_tokens} must be >= 1 and "
                 f"--temperature={args.temperature} >= 0"
             )
+        _check_prompt(args)
         if not path.is_dir():
             raise ConfigError(
                 f"{path} is not a directory; pass a meshtrain checkpoint (or its run directory) "
@@ -74,19 +114,76 @@ def main(argv: list[str] | None = None) -> int:
                 f"--mesh-shape={args.mesh_shape!r} is not JSON; write it like "
                 '\'[[4,2],["fsdp","tp"]]\''
             ) from None
+        if args.chat:  # before the model loads: a conversation the template cannot render
+            encoder = _chat_encoder(tokenizer, args.chat_template)
+            messages = _messages(args, encoder)
         model = load_model(path, mesh)
         if tokenizer.vocab_size > model.embed.shape[0]:
             raise ConfigError(
                 f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                 f"{model.embed.shape[0]} embeddings; pass the checkpoint's own --tokenizer"
             )
-        completion = generate(
-            model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, seed=args.seed
-        )
+        if args.chat:
+            output = generate_chat(
+                model, encoder, messages, args.max_new_tokens, args.temperature, seed=args.seed
+            )
+        else:
+            output = args.prompt + generate(
+                model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, seed=args.seed
+            )
     except ConfigError as err:
         fail(str(err))
-    print(args.prompt + completion)
+    print(output)
     return 0
+
+
+def _check_prompt(args: argparse.Namespace) -> None:
+    """The prompt, --messages and the chat options go together as --help says."""
+    if not args.chat:
+        options = {"--system": args.system, "--chat-template": args.chat_template}
+        extra = [name for name, value in options.items() if value is not None]
+        if extra:
+            verb = "goes" if len(extra) == 1 else "go"
+            raise ConfigError(f"{' and '.join(extra)} {verb} with --chat")
+        if args.prompt is None:
+            raise ConfigError("no prompt; pass the text to continue after the checkpoint")
+    elif args.messages is not None and args.prompt is not None:
+        raise ConfigError("--messages holds the whole conversation; pass no prompt with it")
+    elif args.messages is not None and args.system is not None:
+        raise ConfigError(
+            "--messages holds the whole conversation; put the system message in it, not in --system"
+        )
+    elif args.messages is None and args.prompt is None:
+        raise ConfigError("no prompt; pass the user's message, or --messages FILE.json")
+
+
+def _chat_encoder(tokenizer: Tokenizer, chat_template: str | None) -> ChatEncoder:
+    """The chat encoder of the tokenizer's files, its errors in this command's words."""
+    name = str(tokenizer.source_files[0]) if tokenizer.source_files else "byte"
+    try:
+        return build_chat_encoder(name, chat_template)
+    except ConfigError as err:
+        message = str(err).replace("data.chat_template", "--chat-template")
+        raise ConfigError(message.replace("data.tokenizer=", "tokenizer ")) from None
+
+
+def _messages(args: argparse.Namespace, encoder: ChatEncoder) -> list:
+    """The conversation, checked by rendering it: --messages' file, or [--system,] the prompt as
+    the user's message."""
+    if args.messages is None:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        messages = [*system, {"role": "user", "content": args.prompt}]
+        encoder.render_generation_prompt(messages)
+        return messages
+    file = Path(args.messages)
+    if not file.is_file():
+        raise ConfigError(f"--messages={args.messages!r} is not a file")
+    try:
+        messages = json.loads(file.read_text(encoding="utf-8"))
+        encoder.render_generation_prompt(messages)
+    except ValueError as err:  # not JSON, not UTF-8, or not a conversation (DataError)
+        raise ConfigError(f"--messages={args.messages!r}: {err}") from None
+    return messages
 
 
 if __name__ == "__main__":

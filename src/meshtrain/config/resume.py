@@ -54,6 +54,12 @@ REFUSED = (
     "data.path",
     "data.glob",
     "data.text_key",
+    "data.messages_key",
+    "data.prompt_key",
+    "data.completion_key",
+    "data.chat_template",
+    "data.train_on",
+    "data.overlong",
     "data.mixture",
     "data.document_masking",
     "data.tokenizer",  # compared by content (the caller puts its identity here)

@@ -41,12 +41,16 @@ PipelineSchedule = Literal["gpipe", "circular", "1f1b"]
 """training.pipeline.schedule."""
 ResumeMode = Literal["auto", "never"]
 """checkpoint.resume, unless it is a checkpoint path."""
-DataSource = Literal["text", "prepared", "synthetic"]
+DataSource = Literal["text", "prepared", "synthetic", "chat"]
 """data.source: local documents (tokenised once into the data cache), a directory made by
 `python -m meshtrain.data.prepare`, or random tokens."""
 BadRecordPolicy = Literal["error", "skip"]
 """data.on_bad_record."""
 DataVerify = Literal["quick", "full"]
+# data.train_on (chat data): the tokens that carry loss.
+TrainOn = Literal["assistant", "completion", "all"]
+# data.overlong (chat data): a conversation longer than data.seq_len + 1 tokens.
+Overlong = Literal["truncate", "drop", "error"]
 """data.verify: how opening a prepared directory checks its token files (meshtrain.data.integrity)."""
 ClusterDetection = Literal["slurm", "ompi", "mpi4py", "gcetpu", "gketpu"]
 """distributed.cluster_detection."""
@@ -205,6 +209,18 @@ class DataConfig:
     """Pattern, relative to `path`, of the documents to read (text without data.paths); null: none (data=text)."""
     text_key: str = "text"
     """The field of a .jsonl record, or the column of a .parquet file, that holds the text."""
+    messages_key: str = "messages"
+    """chat: the field or column of a conversation, a list of {role, content} (system, user, assistant)."""
+    prompt_key: str = "prompt"
+    """chat: the field or column of a prompt (a string, or a list of messages), with completion_key."""
+    completion_key: str = "completion"
+    """chat: the field or column of the completion that answers prompt_key."""
+    chat_template: str | None = None
+    """chat: a .jinja file rendering conversations; null: the tokenizer's own (tokenizer_config.json or chat_template.jinja)."""
+    train_on: str | None = None  # TrainOn
+    """chat: the tokens that carry loss: assistant (every assistant turn), completion (the completion; for messages, the last assistant turn) or all; null: assistant for messages, completion for prompt/completion."""
+    overlong: str = "truncate"  # Overlong
+    """chat: a conversation longer than data.seq_len + 1 tokens is truncated (counted in the log), dropped (counted) or an error."""
     mixture: list[MixtureSource] = field(default_factory=list)
     """Sources sampled by weight, deterministically from training.seed ([{name, paths, weight}, ...]); replaces data.paths."""
     document_masking: bool = True

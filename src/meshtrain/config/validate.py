@@ -26,11 +26,13 @@ from meshtrain.config.schema import (
     MixedPrecision,
     ModelConfig,
     NonfiniteMode,
+    Overlong,
     PipelineSchedule,
     ReduceDtype,
     RematPolicy,
     ResumeMode,
     RopeScaling,
+    TrainOn,
     choices,
 )
 from meshtrain.errors import ConfigError, require
@@ -58,6 +60,9 @@ def _check_data(data: DataConfig) -> None:
     _one_of("data.source", data.source, choices(DataSource))
     _one_of("data.on_bad_record", data.on_bad_record, choices(BadRecordPolicy))
     _one_of("data.verify", data.verify, choices(DataVerify))
+    _one_of("data.overlong", data.overlong, choices(Overlong))
+    if data.train_on is not None:
+        _one_of("data.train_on", data.train_on, choices(TrainOn))
     _positive("data.seq_len", data.seq_len)
     require(
         0.0 <= data.validation_fraction < 1.0,
@@ -95,6 +100,17 @@ def _check_data(data: DataConfig) -> None:
             bool(data.paths) or data.glob is not None,
             "data=text needs data.paths: files, directories or globs of documents, e.g. "
             "'data.paths=[corpus/*.jsonl]'",
+        )
+    elif data.source == "chat":
+        require(
+            bool(data.paths),
+            "data=chat needs data.paths: .jsonl, .jsonl.gz or .parquet files of conversations "
+            "(messages) or prompt/completion records, e.g. 'data.paths=[chats/*.jsonl]'",
+        )
+        require(
+            data.tokenizer != "byte",
+            "data=chat needs the model's Hugging Face tokenizer: set data.tokenizer=DIR (the "
+            "directory with tokenizer.json and its chat template)",
         )
     elif data.source == "prepared":
         require(

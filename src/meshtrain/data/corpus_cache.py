@@ -4,7 +4,8 @@ cached on disk (data.cache_dir), so that a second launch neither reads nor token
 An entry is named by a hash of everything its tokens depend on: each file's absolute path, size
 and modification time (in order), the directory the document keys are relative to, the
 tokenizer (meshtrain.data.shards.tokenizer_identity: its kind, special ids and its files'
-contents), data.text_key, data.on_bad_record and the source of the modules that read and
+contents), data.text_key, data.on_bad_record, chat data's options (meshtrain.data.chat_data)
+and the source of the modules that read and
 tokenise. Editing, adding or removing a file therefore makes a new entry; nothing is ever
 served stale. A hit is opened as it is: start-up costs a stat per file, and the checks of
 meshtrain.data.integrity (data.verify). An entry that fails them is deleted, with a warning,
@@ -30,6 +31,7 @@ import time
 from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 from meshtrain.data.integrity import DamagedCorpus
 from meshtrain.data.prepare import prepare
@@ -49,6 +51,10 @@ _SOURCES = (
     "prepare.py",
     "tokenizer.py",
     "corpus_cache.py",
+    "parts.py",
+    "chat.py",
+    "chat_template.py",
+    "chat_data.py",
 )
 
 
@@ -61,7 +67,13 @@ def _code_digest() -> str:
 
 
 def corpus_key(
-    files: Sequence[Path], root: Path, *, tokenizer: str, text_key: str, on_bad_record: str
+    files: Sequence[Path],
+    root: Path,
+    *,
+    tokenizer: str,
+    text_key: str,
+    on_bad_record: str,
+    chat: dict[str, Any] | None = None,
 ) -> str:
     """The cache key of the tokens of `files` (in this order)."""
     digest = hashlib.sha256()
@@ -72,6 +84,7 @@ def corpus_key(
         "tokenizer": tokenizer_identity(tokenizer),
         "text_key": text_key,
         "on_bad_record": on_bad_record,
+        "chat": chat,  # chat data: the record keys, train_on and the template's hash
     }
     digest.update(json.dumps(header, sort_keys=True).encode())
     for path in files:
@@ -139,10 +152,16 @@ def tokenised_corpus(
     on_bad_record: str,
     directory: Path | None,
     verify: str = "quick",
+    chat: dict[str, Any] | None = None,
 ) -> PreparedCorpus:
     """The tokens of `files`: the cached entry under `directory` (checked as `verify` says), or
     tokenised now (and cached, unless `directory` is None)."""
-    options = {"tokenizer": tokenizer, "text_key": text_key, "on_bad_record": on_bad_record}
+    options = {
+        "tokenizer": tokenizer,
+        "text_key": text_key,
+        "on_bad_record": on_bad_record,
+        "chat": chat,
+    }
     if directory is None:
         return _tokenise(files, root, _temporary_directory() / "corpus", options)
     entry = directory / corpus_key(files, root, **options)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from meshtrain.data.flags import ID_BITS
 from meshtrain.errors import DataError
 
 MANIFEST = "manifest.json"
@@ -81,7 +82,7 @@ def unit_checks(tokens_path: Path, docs_path: Path, flat: np.ndarray) -> dict[st
         "tokens_sha256": file_sha256(tokens_path),
         "tokens_sample_sha256": sampled,
         "docs_sha256": file_sha256(docs_path),
-        "max_token_id": int(flat.max()) if flat.size else None,
+        "max_token_id": _largest_id(flat),
     }
 
 
@@ -188,3 +189,11 @@ def read_docs(path: Path, unit: dict[str, Any], remedy: str) -> np.ndarray:
             remedy,
         )
     return table
+
+
+def _largest_id(flat: np.ndarray) -> int | None:
+    """The largest token id of a unit's tokens, without chat data's marks (data.flags: uint32
+    ids only); None for no tokens."""
+    if not flat.size:
+        return None
+    return int((flat & np.uint32(ID_BITS)).max() if flat.dtype == np.uint32 else flat.max())

@@ -11,6 +11,8 @@ import numpy as np
 
 from meshtrain.config import DataConfig
 from meshtrain.config.schema import cache_dir
+from meshtrain.data.chat_data import chat_options
+from meshtrain.data.conversations import PackedConversations
 from meshtrain.data.corpus_cache import tokenised_corpus
 from meshtrain.data.mixture import (
     InOrder,
@@ -124,6 +126,7 @@ def _corpora(patterns: Sequence[str], cfg: DataConfig, *, key: str) -> list[Prep
         if _is_prepared(pattern):
             corpus = PreparedCorpus(Path(pattern).expanduser(), verify=cfg.verify)
             corpus.check_tokenizer(cfg.tokenizer)
+            _check_kind(corpus, cfg, key)
             corpora.append(corpus)
         else:
             others.append(pattern)
@@ -131,6 +134,26 @@ def _corpora(patterns: Sequence[str], cfg: DataConfig, *, key: str) -> list[Prep
         files, root = resolve_paths(others, key=key)
         corpora.append(_tokenised(files, root, cfg))
     return corpora
+
+
+def _check_kind(corpus: PreparedCorpus, cfg: DataConfig, key: str) -> None:
+    """A prepared directory of conversations serves data=chat only, and only with the options
+    it was prepared with; one of documents serves the others."""
+    made, wanted = corpus.manifest.get("chat"), chat_options(cfg)
+    if made == wanted:
+        return
+    if made is None or wanted is None:
+        kind, other = ("documents", "data=chat") if made is None else ("conversations", "data=text")
+        raise DataError(
+            f"{key}: {corpus.directory} holds prepared {kind}, which {other} cannot train on; "
+            f"prepare {'with' if made is None else 'without'} --chat into another --out"
+        )
+    changed = sorted(k for k in wanted if made.get(k) != wanted[k])
+    raise DataError(
+        f"{key}: {corpus.directory} was prepared with other chat options ({', '.join(changed)}: "
+        f"{', '.join(f'{made.get(k)!r}' for k in changed)}); set them as it was prepared, or "
+        "prepare again into another --out"
+    )
 
 
 def _tokenised(files: Sequence[Path], root: Path, cfg: DataConfig) -> PreparedCorpus:
@@ -142,6 +165,7 @@ def _tokenised(files: Sequence[Path], root: Path, cfg: DataConfig) -> PreparedCo
         on_bad_record=cfg.on_bad_record,
         directory=cache_dir(cfg.cache_dir, "data"),
         verify=cfg.verify,
+        chat=chat_options(cfg),
     )
     if corpus.bad_records.total:
         log.info("data: %s (data.on_bad_record=skip)", corpus.bad_records.describe())
@@ -158,7 +182,7 @@ def _source_corpora(cfg: DataConfig) -> list[tuple[str, list[PreparedCorpus], fl
     if cfg.source == "prepared":
         return [("prepared", _corpora([cfg.path], cfg, key="data.path"), 1.0)]
     if cfg.paths:
-        return [("text", _corpora(cfg.paths, cfg, key="data.paths"), 1.0)]
+        return [(cfg.source, _corpora(cfg.paths, cfg, key="data.paths"), 1.0)]
     files = list_documents(cfg.path, cfg.glob)
     return [("text", [_tokenised(files, resolve_root(cfg.path), cfg)], 1.0)]
 
@@ -168,7 +192,29 @@ def _packed(
     cfg: DataConfig,
     tokenizer: Tokenizer,
     split: str,
-) -> PackedDocuments:
+) -> PackedDocuments | PackedConversations:
+    if cfg.source == "chat":
+        packed = PackedConversations(
+            parts,
+            seq_len=cfg.seq_len,
+            pad_id=max(tokenizer.pad_id, tokenizer.eos_id, 0),  # any id: padding is marked
+            vocab_size=tokenizer.vocab_size,
+            split=split,
+            overlong=cfg.overlong,
+        )
+        if packed.overlong:
+            done = "truncated to" if cfg.overlong == "truncate" else "left out: longer than"
+            log.info(
+                "data: %d of %d %s conversations %s data.seq_len + 1 = %d tokens "
+                "(data.overlong=%s)",
+                packed.overlong,
+                sum(len(docs) for _, docs in parts),
+                split,
+                done,
+                cfg.seq_len + 1,
+                cfg.overlong,
+            )
+        return packed
     return PackedDocuments(
         parts,
         seq_len=cfg.seq_len,

@@ -7,7 +7,6 @@ workers run in parallel and an interrupted run resumes.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import sys
 import time
@@ -27,6 +26,8 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from meshtrain.data.chat_data import flagged_ids, record_keys
+from meshtrain.data.parts import Part, split_jsonl, split_parquet
 from meshtrain.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
@@ -44,22 +45,19 @@ from meshtrain.data.shards import (
 from meshtrain.data.sources import (
     ON_BAD_RECORD,
     BadRecords,
-    Part,
     document_format,
     read_documents,
-    resolve_paths,
-    split_jsonl,
-    split_parquet,
+    read_records,
 )
 from meshtrain.data.tokenizer import Tokenizer, build_tokenizer
-from meshtrain.errors import DataError, error_line
+from meshtrain.errors import DataError
 
 UNIT_BYTES = 32 << 20  # input bytes per work unit (files are grouped or cut to about this)
 UNIT_FILES = 1024  # at most this many small files per work unit
 ENCODE_CHARS = 4 << 20  # characters per encode_batch call: bounds a worker's memory
 # The plan entries that must match for a rerun to resume (the root and the tokenizer's path may
 # move; the units follow from the rest).
-_PLAN_KEYS = ("version", "tokenizer", "text_key", "on_bad_record", "unit_bytes", "files")
+_PLAN_KEYS = ("version", "tokenizer", "text_key", "chat", "on_bad_record", "unit_bytes", "files")
 # A unit's entry in the manifest: its counts, and what opening it checks (absent from a unit
 # written before the checksums existed; meshtrain.data.integrity skips those checks for it).
 _UNIT_KEYS = (
@@ -129,6 +127,17 @@ def _prepare_unit(job: dict[str, Any]) -> dict[str, Any]:
         path, relpath = Path(job["paths"][piece[0]]), job["relpaths"][piece[0]]
         part = Part(*piece[1:]) if len(piece) > 1 else None
         keyed = document_format(path) != "text"
+        if job["chat"] is not None:  # conversations: encoded (and marked) one by one
+            convert = flagged_ids(job["tokenizer"], job["chat"])
+            keys, policy = record_keys(job["chat"]), job["on_bad_record"]
+            count = len(tokens)
+            for number, ids in read_records(
+                path, convert, keys=keys, on_bad_record=policy, bad=bad, part=part
+            ):
+                hashes.append(key_hash(f"{relpath}:{number}"))
+                tokens.append(ids)
+            pieces.append([piece[0], len(tokens) - count])
+            continue
         documents = read_documents(
             path, text_key=job["text_key"], on_bad_record=job["on_bad_record"], bad=bad, part=part
         )
@@ -239,12 +248,14 @@ def prepare(
     root: Path,
     tokenizer: str = "byte",
     text_key: str = "text",
+    chat: dict[str, Any] | None = None,
     on_bad_record: str = "error",
     workers: int = 1,
     progress: bool = False,
     unit_bytes: int = UNIT_BYTES,
 ) -> PreparedCorpus:
-    """Tokenises the documents of `files` into the prepared directory `out` and opens it.
+    """Tokenises the documents of `files` into the prepared directory `out` and opens it; with
+    `chat` (meshtrain.data.chat_data.chat_options), their conversations, marked for the loss.
 
     Resumes an interrupted run with the same plan; a complete `out` is opened as it is.
     `progress` shows a bar over input bytes (on a terminal) and prints a summary line.
@@ -265,10 +276,12 @@ def prepare(
         "tokenizer": identity,
         "tokenizer_name": tokenizer,
         "text_key": text_key,
+        "chat": chat,
         "on_bad_record": on_bad_record,
         "unit_bytes": unit_bytes,
         "root": str(root),
-        "token_dtype": token_dtype(identity["vocab_size"]).name,
+        # chat ids carry the NOT_TRAINED mark in bit 30
+        "token_dtype": "uint32" if chat else token_dtype(identity["vocab_size"]).name,
         "files": [
             {
                 "path": f.relative_to(root).as_posix(),
@@ -292,6 +305,7 @@ def prepare(
         "relpaths": [f["path"] for f in plan["files"]],
         "tokenizer": tokenizer,
         "text_key": text_key,
+        "chat": chat,
         "on_bad_record": on_bad_record,
         "dtype": plan["token_dtype"],
     }
@@ -323,60 +337,7 @@ def summary_line(corpus: PreparedCorpus, seconds: float) -> str:
     )
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, like every meshtrain error
-        print(error_line(f"{message} (see {self.prog} --help)"), file=sys.stderr)
-        sys.exit(2)
+if __name__ == "__main__":  # python -m meshtrain.data.prepare: the command lives beside
+    from meshtrain.data.prepare_command import main
 
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = _Parser(
-        prog="python -m meshtrain.data.prepare",
-        description="Tokenise documents once into token shards that `data=prepared "
-        "data.path=DIR` trains on. An interrupted run continues where it stopped when run again.",
-    )
-    parser.add_argument(
-        "paths",
-        nargs="+",
-        metavar="PATH",
-        help="files, directories or globs: .jsonl, .jsonl.gz, .parquet, any other file is one "
-        "document",
-    )
-    parser.add_argument("--out", type=Path, required=True, help="the prepared directory")
-    parser.add_argument("--tokenizer", default="byte", help="as data.tokenizer (default: byte)")
-    parser.add_argument(
-        "--text-key", default="text", help="JSON key or parquet column of the text (default: text)"
-    )
-    parser.add_argument("--workers", type=int, default=1, help="tokenising processes (default: 1)")
-    parser.add_argument(
-        "--on-bad-record",
-        choices=ON_BAD_RECORD,
-        default="error",
-        help="stop at a bad record (default), or skip and count it",
-    )
-    args = parser.parse_args(argv)
-    try:
-        files, root = resolve_paths(args.paths, key="PATH")
-        prepare(
-            files,
-            args.out,
-            root=root,
-            tokenizer=args.tokenizer,
-            text_key=args.text_key,
-            on_bad_record=args.on_bad_record,
-            workers=args.workers,
-            progress=True,
-        )
-    except ValueError as err:  # DataError, and build_tokenizer's ValueError for a bad name
-        print(error_line(str(err)), file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print(
-            error_line(f"interrupted; run the same command to resume into {args.out}"),
-            file=sys.stderr,
-        )
-        sys.exit(130)
-
-
-if __name__ == "__main__":
     main()

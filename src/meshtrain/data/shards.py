@@ -33,6 +33,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from meshtrain.data.flags import ID_BITS
 from meshtrain.data.integrity import (
     MANIFEST,
     REPREPARE,
@@ -248,10 +249,11 @@ class PreparedCorpus:
         if len(data) != (stop - start) * size:
             raise self._damaged(unit, "truncated after it was opened")
         ids = np.frombuffer(data, self._dtype).astype(np.int32)
-        if self._id_limit is not None and int(ids.max()) >= self._id_limit[0]:
+        largest = int((ids & ID_BITS).max())  # chat data: without the marks (data.flags)
+        if self._id_limit is not None and largest >= self._id_limit[0]:
             limit, key = self._id_limit
             problem = (
-                f"token id {int(ids.max())} in document {document} is not below "
+                f"token id {largest} in document {document} is not below "
                 f"{key}={limit} (the file is damaged)"
             )
             raise self._damaged(unit, problem)

@@ -10,13 +10,15 @@ import json
 import os
 import sysconfig
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from meshtrain.data.parts import Part
 from meshtrain.errors import DataError
 
 FORMATS = ("jsonl", "jsonl.gz", "parquet", "text")
@@ -27,6 +29,7 @@ BAD_RECORD_KINDS = (
     "non_string_text",
     "undecodable_bytes",
     "unreadable_parquet",
+    "bad_chat_record",
 )
 # Installed third-party packages are not corpus text, and a virtualenv may live under them. With a
 # venv, sysconfig's stdlib still points at the base interpreter's lib/pythonX.Y, whose
@@ -157,17 +160,6 @@ class BadRecords:
         return f"skipped {self.total} record{'s' * (self.total != 1)}: {kinds}"
 
 
-@dataclass(frozen=True)
-class Part:
-    """A slice of one file: bytes [start, stop) of an uncompressed .jsonl, cut at line starts,
-    whose first line is line `first_record` (1-based); or row groups [start, stop) of a parquet
-    file whose first row is row `first_record` (0-based)."""
-
-    start: int
-    stop: int
-    first_record: int
-
-
 def _fault(kind: str, message: str, on_bad_record: str, bad: BadRecords) -> None:
     """Raises the one-line `message` (on_bad_record=error) or counts the fault in `bad`."""
     if on_bad_record == "error":
@@ -183,6 +175,24 @@ def _record_text(
     line: bytes, where: str, text_key: str, on_bad_record: str, bad: BadRecords
 ) -> str | None:
     """The text of one .jsonl line, or None when the line is bad and skipped."""
+    record = _record(line, where, on_bad_record, bad)
+    if record is None:
+        return None
+    if text_key not in record or record[text_key] is None:
+        strings = [k for k, v in record.items() if isinstance(v, str)] or list(record)
+        fix = f"set data.text_key={strings[0]}" if strings else "give each record a text"
+        message = f"{where}: no {text_key!r} key (has keys {sorted(record)}); {fix}, or "
+        _fault("missing_text_key", message + _SKIP_HINT, on_bad_record, bad)
+        return None
+    text = record[text_key]
+    if not isinstance(text, str):
+        _not_a_string(where, text_key, text, "field", on_bad_record, bad)
+        return None
+    return text
+
+
+def _record(line: bytes, where: str, on_bad_record: str, bad: BadRecords) -> dict | None:
+    """The JSON object of one .jsonl line, or None when the line is bad and skipped."""
     try:
         record = json.loads(line)
     except UnicodeDecodeError as err:
@@ -197,17 +207,7 @@ def _record_text(
         message = f"{where}: a JSON {type(record).__name__} where one object per line is expected; "
         _fault("invalid_json", message + _SKIP_HINT, on_bad_record, bad)
         return None
-    if text_key not in record or record[text_key] is None:
-        strings = [k for k, v in record.items() if isinstance(v, str)] or list(record)
-        fix = f"set data.text_key={strings[0]}" if strings else "give each record a text"
-        message = f"{where}: no {text_key!r} key (has keys {sorted(record)}); {fix}, or "
-        _fault("missing_text_key", message + _SKIP_HINT, on_bad_record, bad)
-        return None
-    text = record[text_key]
-    if not isinstance(text, str):
-        _not_a_string(where, text_key, text, "field", on_bad_record, bad)
-        return None
-    return text
+    return record
 
 
 def _not_a_string(
@@ -327,35 +327,61 @@ def read_documents(
     return _read_text(path, on_bad_record, bad)
 
 
-def split_jsonl(path: Path, unit_bytes: int) -> list[Part]:
-    """Cuts an uncompressed .jsonl into byte ranges of about `unit_bytes`, each ending at a line
-    end, with the line number each starts at (one pass over the file, counting newlines)."""
-    size, parts = path.stat().st_size, []
-    with open(path, "rb") as f:
-        start, line = 0, 1
-        while start < size:
-            newlines, remaining = 0, unit_bytes
-            while remaining > 0 and (chunk := f.read(min(remaining, 1 << 20))):
-                newlines, remaining = newlines + chunk.count(b"\n"), remaining - len(chunk)
-            newlines += f.readline().count(b"\n")  # finish the line the cut fell in
-            parts.append(Part(start, f.tell(), line))
-            start, line = f.tell(), line + newlines
-    return parts
+def read_records[T](
+    path: Path,
+    convert: Callable[[dict[str, Any]], T],
+    *,
+    keys: Sequence[str],
+    on_bad_record: str = "error",
+    bad: BadRecords,
+    part: Part | None = None,
+) -> Iterator[tuple[int, T]]:
+    """Yields (record number, convert(record)) of each record of a .jsonl, .jsonl.gz or .parquet
+    file (or of its `part`), in file order, numbered as read_documents does: a record is a jsonl
+    line's object, or a parquet row's columns among `keys` (chat data). A record that `convert`
+    refuses (a DataError) is a bad record of kind "bad_chat_record", named by file and line or
+    row. Other files hold no records: a one-line DataError."""
+    fmt = document_format(path)
+    if fmt not in ("jsonl", "jsonl.gz", "parquet"):
+        raise DataError(
+            f"{path}: chat data are records in .jsonl, .jsonl.gz or .parquet files, not a "
+            "text file; convert it, or leave it out of data.paths"
+        )
+    for number, where, record in _records(path, fmt, keys, on_bad_record, bad, part):
+        try:
+            converted = convert(record)
+        except DataError as err:
+            message = f"{where}: {err}; fix the record, or "
+            _fault("bad_chat_record", message + _SKIP_HINT, on_bad_record, bad)
+            continue
+        yield number, converted
 
 
-def split_parquet(path: Path, unit_bytes: int) -> list[Part] | None:
-    """Cuts a parquet file into ranges of row groups of about `unit_bytes` (compressed), or None
-    if its footer cannot be read (the reader then reports the file)."""
+def _records(
+    path: Path, fmt: str, keys: Sequence[str], on_bad_record: str, bad: BadRecords, part
+) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """(number, where, record) of each readable record of a jsonl or parquet file."""
+    if fmt != "parquet":
+        try:
+            for number, line in _jsonl_lines(path, part):
+                where = f"{path}:{number}"
+                if line.strip() and (record := _record(line, where, on_bad_record, bad)):
+                    yield number, where, record
+        except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+            raise DataError(
+                f"{path}: unreadable gzip file ({_one_line(err)}); re-create or remove it"
+            ) from None
+        return
     try:
-        meta = pq.ParquetFile(path).metadata
-    except (pa.ArrowInvalid, OSError):
-        return None
-    parts, start, first_row, row, size = [], 0, 0, 0, 0
-    for group in range(meta.num_row_groups):
-        rg = meta.row_group(group)
-        size += sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
-        row += rg.num_rows
-        if size >= unit_bytes or group == meta.num_row_groups - 1:
-            parts.append(Part(start, group + 1, first_row))
-            start, first_row, size = group + 1, row, 0
-    return parts
+        file = pq.ParquetFile(path)
+        columns = [k for k in keys if k in file.schema_arrow.names]
+        groups = range(file.num_row_groups) if part is None else range(part.start, part.stop)
+        row = 0 if part is None else part.first_record
+        for group in groups:
+            rows = file.read_row_group(group, columns=columns).to_pylist()
+            for offset, record in enumerate(rows):
+                yield row + offset, f"{path} row {row + offset}", record
+            row += len(rows)
+    except (pa.ArrowInvalid, OSError) as err:
+        message = f"{path}: unreadable parquet file ({_one_line(err)}); re-create or remove it, or "
+        _fault("unreadable_parquet", message + _SKIP_HINT, on_bad_record, bad)

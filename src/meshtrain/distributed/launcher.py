@@ -162,13 +162,10 @@ def process_env(
 
 def describe_exit(code: int) -> str:
     """A child's return code in words, e.g. "was killed by SIGKILL (exit code 137)"."""
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name} (exit code {shell_exit_code(code)})"
-    return f"exited with code {code}"
+    if code >= 0:
+        return f"exited with code {code}"
+    names = {s.value: s.name for s in signal.Signals}
+    return f"was killed by {names.get(-code, f'signal {-code}')} (exit code {128 - code})"
 
 
 def shell_exit_code(code: int) -> int:
@@ -185,12 +182,15 @@ GLOO_CHATTER = re.compile(
 )
 
 
-class _Pump:
-    """Copies a child's output lines to ours whole, each with its rank prefix, under one lock
-    shared by every pump; without `verbose`, Gloo's connection chatter is dropped and counted."""
+_OUTPUT = threading.Lock()  # whole lines, from the ranks' pumps and from the launcher itself
 
-    def __init__(self, sink: BinaryIO, prefix: bytes, lock: threading.Lock, *, verbose: bool):
-        self.sink, self.prefix, self.lock, self.verbose = sink, prefix, lock, verbose
+
+class _Pump:
+    """Copies a child's output lines to ours whole, each with its rank prefix, under the lock of
+    all output (_OUTPUT); without `verbose`, Gloo's connection chatter is dropped and counted."""
+
+    def __init__(self, sink: BinaryIO, prefix: bytes, *, verbose: bool):
+        self.sink, self.prefix, self.verbose = sink, prefix, verbose
         self.hidden = 0  # Gloo lines dropped
 
     def run(self, source: BinaryIO) -> None:
@@ -211,7 +211,7 @@ class _Pump:
         source.close()
 
     def _write(self, line: bytes) -> None:
-        with self.lock:
+        with _OUTPUT:
             self.sink.write(self.prefix + line.rstrip(b"\n") + b"\n")
             self.sink.flush()
 
@@ -297,7 +297,8 @@ def _stop(processes: Sequence[subprocess.Popen], grace_s: float) -> None:
 
 
 def _say(message: str) -> None:
-    print(f"meshtrain.launch: {message}", file=sys.stderr, flush=True)
+    with _OUTPUT:
+        print(f"meshtrain.launch: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -327,7 +328,6 @@ def launch(args: LaunchOptions, environ: Mapping[str, str] | None = None) -> int
         f"{node.master_addr}:{node.master_port}, {args.devices_per_process} {platform} "
         f"device(s) per process, {RUN_ID_VAR}={run_id}"
     )
-    lock = threading.Lock()
     order = ExitOrder()
     pumps: list[_Pump] = []
     threads: list[threading.Thread] = []
@@ -355,7 +355,7 @@ def launch(args: LaunchOptions, environ: Mapping[str, str] | None = None) -> int
                 (process.stdout, sys.stdout.buffer),
                 (process.stderr, sys.stderr.buffer),
             ):
-                pump = _Pump(sink, prefix, lock, verbose=args.verbose)
+                pump = _Pump(sink, prefix, verbose=args.verbose)
                 thread = threading.Thread(target=pump.run, args=(source,), daemon=True)
                 thread.start()
                 pumps.append(pump)

@@ -1,5 +1,8 @@
-"""Greedy or sampled text generation: `meshtrain.generate(model, tokenizer, prompt)`; its command
-line is meshtrain.cli.generate.
+"""Greedy or sampled generation: `meshtrain.generate(model, tokenizer, prompt)` continues a text
+up to eos; `generate_chat(model, encoder, messages)` answers a conversation rendered with a chat
+template (meshtrain.data.chat) up to its end-of-turn token or eos; both run `generate_ids`, the
+decoding loop on token ids with a set of ids to stop at. Their command line is
+meshtrain.cli.generate.
 
 Two compiled programs per (prompt length bucket, max_new_tokens): a prefill that runs the
 prompt, padded to a power of two (at least MIN_BUCKET tokens) so that prompts of similar
@@ -14,7 +17,9 @@ layers' keys and values. Tokens/s before and after the cache: docs/models.md.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Sequence
 from functools import partial
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +29,9 @@ from flax import nnx
 from meshtrain.data.tokenizer import Tokenizer
 from meshtrain.models import decode
 from meshtrain.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from meshtrain.data.chat import ChatEncoder
 
 MIN_BUCKET = 16  # the shortest padded prompt: shorter prompts share one prefill program
 
@@ -61,6 +69,61 @@ def _decode(model, token, position, cache, key, temperature, *, vocab_size, gree
     return _pick(logits, step_key, temperature, vocab_size=vocab_size, greedy=greedy), cache, key
 
 
+def generate_ids(
+    model: Transformer,
+    prompt_ids: Sequence[int] | np.ndarray,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    *,
+    stop_ids: Iterable[int] = (),
+    vocab_size: int | None = None,
+    seed: int = 0,
+) -> np.ndarray:
+    """The ids the model picks after `prompt_ids`, int32 [at most max_new_tokens]: they end with
+    the first of `stop_ids` picked, which is kept (as transformers' generate keeps its eos).
+    temperature 0 picks the most likely token; above 0 samples from softmax(logits / temperature).
+    Ids from `vocab_size` on (default: the model's embedding rows) are never picked."""
+    ids = np.asarray(prompt_ids, np.int32).reshape(-1)
+    if not ids.size:
+        raise ValueError("the prompt has no tokens to start from")
+    if max_new_tokens < 1:
+        return np.zeros(0, np.int32)
+    stops = {int(i) for i in stop_ids}
+    bucket = prompt_bucket(ids.size)
+    tokens = np.zeros((1, bucket), np.int32)  # [1, bucket]: the padding after the prompt is
+    tokens[0, : ids.size] = ids  # never seen by its causal queries
+    vocab_size = model.embed.shape[0] if vocab_size is None else vocab_size
+    static = dict(vocab_size=int(vocab_size), greedy=temperature == 0)
+    temperature = np.float32(temperature)
+    mesh = decode.params_mesh(model)
+    new: list[int] = []
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        token, cache, key = _prefill(
+            model,
+            tokens,
+            np.int32(ids.size),
+            seed,
+            temperature,
+            cache_length=bucket + max_new_tokens,
+            **static,
+        )
+        position = ids.size  # where `token` goes in the sequence
+        while True:
+            new.append(picked := int(token))
+            if picked in stops or len(new) == max_new_tokens:
+                break
+            token, cache, key = _decode(
+                model, token, np.int32(position), cache, key, temperature, **static
+            )
+            position += 1
+    return np.asarray(new, np.int32)
+
+
+def _until(ids: np.ndarray, stop_ids: Iterable[int]) -> np.ndarray:
+    """`ids` without the stop id generate_ids ends them with, if it does."""
+    return ids[:-1] if ids.size and int(ids[-1]) in set(stop_ids) else ids
+
+
 def generate(
     model: Transformer,
     tokenizer: Tokenizer,
@@ -75,32 +138,40 @@ def generate(
     ids = ([tokenizer.bos_id] if tokenizer.bos_id >= 0 else []) + tokenizer.encode(prompt).tolist()
     if not ids:
         raise ValueError("the prompt is empty and the tokenizer has no bos token to start from")
-    if max_new_tokens < 1:
-        return ""
-    bucket = prompt_bucket(len(ids))
-    tokens = np.zeros((1, bucket), np.int32)  # [1, bucket]: the padding after the prompt is
-    tokens[0, : len(ids)] = ids  # never seen by its causal queries
-    static = dict(vocab_size=tokenizer.vocab_size, greedy=temperature == 0)
-    temperature = np.float32(temperature)
-    mesh = decode.params_mesh(model)
-    new: list[int] = []
-    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        token, cache, key = _prefill(
-            model,
-            tokens,
-            np.int32(len(ids)),
-            seed,
-            temperature,
-            cache_length=bucket + max_new_tokens,
-            **static,
-        )
-        position = len(ids)  # where `token` goes in the sequence
-        while (picked := int(token)) != tokenizer.eos_id:
-            new.append(picked)
-            if len(new) == max_new_tokens:
-                break
-            token, cache, key = _decode(
-                model, token, np.int32(position), cache, key, temperature, **static
-            )
-            position += 1
-    return tokenizer.decode(np.asarray(new, np.int32))
+    stop_ids = (tokenizer.eos_id,)
+    new = generate_ids(
+        model,
+        ids,
+        max_new_tokens,
+        temperature,
+        stop_ids=stop_ids,
+        vocab_size=tokenizer.vocab_size,
+        seed=seed,
+    )
+    return tokenizer.decode(_until(new, stop_ids))
+
+
+def generate_chat(
+    model: Transformer,
+    encoder: ChatEncoder,
+    messages: Sequence[dict],
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    *,
+    seed: int = 0,
+) -> str:
+    """The assistant's answer to `messages` ({role, content}): the conversation rendered with the
+    encoder's chat template and its generation prompt (ChatEncoder.render_generation_prompt),
+    continued up to max_new_tokens tokens or the template's end-of-turn token or eos, decoded
+    without it. temperature as generate's."""
+    prompt = encoder.render_generation_prompt(messages)
+    new = generate_ids(
+        model,
+        prompt.ids,
+        max_new_tokens,
+        temperature,
+        stop_ids=prompt.stop_ids,
+        vocab_size=encoder.tokenizer.vocab_size,
+        seed=seed,
+    )
+    return encoder.tokenizer.decode(_until(new, prompt.stop_ids))

@@ -1,10 +1,15 @@
-"""Document masking: the segment ids and positions of packed sequences, read off the tokens.
+"""How the step reads a batch of token ids [B, seq_len + 1]: inputs and targets, the targets
+that carry loss, and, for document masking, each input's segment id and position.
 
-Packing (meshtrain.data.packing) lays documents out as `[bos] doc [eos]` blocks in one stream
-cut into sequences, so a document starts at each bos token, or, for a tokenizer without bos
-(Qwen), right after each eos. The step derives each sequence's segments from its input tokens on
-the device: the batch stays one int32 array, and no segment ids are stored or moved. A document
-that continues from the previous sequence forms the first segment, with positions from 0.
+Text: packing (meshtrain.data.packing) lays documents out as `[bos] doc [eos]` blocks in one
+stream cut into sequences, so a document starts at each bos token, or, for a tokenizer without
+bos (Qwen), right after each eos; every target but padding carries loss. Chat data
+(data.source=chat): the ids carry marks in their high bits (meshtrain.data.flags), which say
+which targets are trained and where each packed conversation starts.
+
+Either way the step derives this from the tokens on the device: the batch stays one int32
+array, and no masks or segment ids are stored or moved. A document that continues from the
+previous sequence forms the first segment, with positions from 0.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.config.schema import DataConfig
+from meshtrain.data.flags import DOCUMENT_START, ID_BITS, NOT_TRAINED
 from meshtrain.data.tokenizer import NO_TOKEN, build_tokenizer
 
 
@@ -33,10 +39,43 @@ class DocumentBoundaries:
         else:
             after_eos = inputs[:, :-1] == self.eos_id
             starts = jnp.pad(after_eos, ((0, 0), (1, 0)))
-        segment_ids = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
-        index = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-        first = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)  # each token's document start
-        return segment_ids, index - first
+        return segments_from_starts(starts)
+
+
+def segments_from_starts(starts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(segment_ids, positions), int32 [B, T] each, from bool [B, T]: where documents start."""
+    segment_ids = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
+    index = jnp.broadcast_to(jnp.arange(starts.shape[1], dtype=jnp.int32), starts.shape)
+    first = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)  # each token's document start
+    return segment_ids, index - first
+
+
+@dataclass(frozen=True)
+class TokenFormat:
+    """How the step reads a batch: see the module docstring."""
+
+    pad_id: int = NO_TOKEN  # text: targets equal to it carry no loss (NO_TOKEN: none)
+    documents: DocumentBoundaries | None = None  # None: no document masking
+    flagged: bool = False  # chat data: the ids carry meshtrain.data.flags' marks
+
+    def read(
+        self, tokens: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+        """tokens [B, seq_len + 1] → inputs and targets int32 [B, T], the mask of targets that
+        carry loss fp32 [B, T], and with document masking each input's segment id and position
+        int32 [B, T] (else None)."""
+        if not self.flagged:
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]
+            mask = (targets != self.pad_id).astype(jnp.float32)
+            if self.documents is None:
+                return inputs, targets, mask, None, None
+            return inputs, targets, mask, *self.documents.segments(inputs)
+        ids = tokens & ID_BITS
+        mask = ((tokens[:, 1:] & NOT_TRAINED) == 0).astype(jnp.float32)
+        if self.documents is None:
+            return ids[:, :-1], ids[:, 1:], mask, None, None
+        starts = (tokens[:, :-1] & DOCUMENT_START) != 0
+        return ids[:, :-1], ids[:, 1:], mask, *segments_from_starts(starts)
 
 
 def document_boundaries(data: DataConfig) -> DocumentBoundaries | None:
@@ -46,3 +85,8 @@ def document_boundaries(data: DataConfig) -> DocumentBoundaries | None:
         return None
     tokenizer = build_tokenizer(data.tokenizer)
     return DocumentBoundaries(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+
+
+def token_format(data: DataConfig, pad_id: int = NO_TOKEN) -> TokenFormat:
+    """How the step reads batches of `data` (`pad_id`: the dataset's padding id)."""
+    return TokenFormat(pad_id, document_boundaries(data), flagged=data.source == "chat")

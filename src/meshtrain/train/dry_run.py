@@ -63,7 +63,7 @@ def dry_run(
     with jax.set_mesh(setup.mesh), compiling_for:
         start = time.perf_counter()
         # No data is read: nothing is padded, which changes neither memory nor communication.
-        compiled, _ = compile_train_step(setup, tx, shardings, pad_id=-1)
+        compiled, _ = compile_train_step(setup, tx, shardings)
         step = measure([compiled], time.perf_counter() - start)
         plan, _ = inspect_compiled(setup, compiled, tx, shardings, run_dir, is_main)
         # After the step, in a run's order (train.loop).

@@ -1,4 +1,5 @@
-"""The validation loss: fixed held-out batches, placed on the devices once, averaged per token."""
+"""The validation loss: fixed held-out batches, placed on the devices once, averaged over the
+tokens that carry loss (for chat data, the trained tokens only)."""
 
 from __future__ import annotations
 
@@ -37,9 +38,8 @@ def make_evaluator(setup: Setup, shardings: TrainState) -> Callable[[Any], float
         setup.model,
         param_shardings=shardings.params,
         batch_sharding=eval_sharding,
-        pad_id=setup.validation_data.pad_id,
+        token_format=setup.token_format,
         mixed_precision=cfg.training.mixed_precision,
-        documents=setup.documents,
         pipeline=setup.pipeline,
     )
 

@@ -93,9 +93,7 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
         signals,
         checkpoints,
     ):  # the last write commits before handlers go
-        train_step, batch_sharding = compile_train_step(
-            setup, tx, shardings, pad_id=setup.train_data.pad_id
-        )
+        train_step, batch_sharding = compile_train_step(setup, tx, shardings)
         _, communication = inspect_compiled(setup, train_step, tx, shardings, run_dir, is_main)
         batches = _batch_iterator(setup, batch_sharding)
         state, start_step = _initial_state(setup, checkpoints, tx, shardings, batches)

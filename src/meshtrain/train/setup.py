@@ -7,6 +7,7 @@ written, and `compile_train_step` works on ShapeDtypeStructs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -38,7 +39,7 @@ from meshtrain.observe.progress import phase
 from meshtrain.observe.throughput import ThroughputMeter, peak_flops_per_device
 from meshtrain.parallel.mesh import MeshSpec, build_mesh, format_mesh_shape, parse_mesh_shape
 from meshtrain.parallel.rules import logical_to_spec
-from meshtrain.train.documents import DocumentBoundaries, document_boundaries
+from meshtrain.train.documents import TokenFormat, token_format
 from meshtrain.train.gradients import gradient_sync
 from meshtrain.train.optimizer import learning_rate_schedule
 from meshtrain.train.pipeline_plan import PipelinePlan, pipeline_plan
@@ -60,7 +61,7 @@ class Setup:
     micro_batch_size: int
     train_data: TokenDataset | None  # None in a dry run, which reads no data
     validation_data: TokenDataset | None
-    documents: DocumentBoundaries | None  # where attention is masked (data.document_masking)
+    token_format: TokenFormat  # how the step reads a batch (targets with loss, documents)
     pipeline: PipelinePlan | None = None  # the pp stages' schedule (train.pipeline)
 
     @property
@@ -121,11 +122,11 @@ def prepare(
     micro = micro_batch_size(cfg, mesh_spec)
     pipeline = pipeline_plan(cfg, mesh_spec)
     try:
-        documents = document_boundaries(cfg.data)
+        reading = token_format(cfg.data)
     except ValueError as err:
         raise _data_error(err) from None
     if not with_data:
-        return Setup(cfg, mesh_spec, mesh, model, micro, None, None, documents, pipeline)
+        return Setup(cfg, mesh_spec, mesh, model, micro, None, None, reading, pipeline)
     with phase(log, f"reading the data ({cfg.data.source})", "read the data"):
         train_data, validation_data = _build_data(cfg)
         if len(train_data) == 0:
@@ -140,7 +141,15 @@ def prepare(
             )
         validation_data = None
     return Setup(
-        cfg, mesh_spec, mesh, model, micro, train_data, validation_data, documents, pipeline
+        cfg,
+        mesh_spec,
+        mesh,
+        model,
+        micro,
+        train_data,
+        validation_data,
+        dataclasses.replace(reading, pad_id=train_data.pad_id),
+        pipeline,
     )
 
 
@@ -177,7 +186,7 @@ def describe(setup: Setup) -> None:
         cfg.training.gradient_accumulation_steps,
     )
     if setup.train_data is not None:
-        masking = "on" if setup.documents else "off"
+        masking = "on" if setup.token_format.documents else "off"
         log.info(
             "data: %d training sequences (%s; document masking %s)",
             len(setup.train_data),
@@ -197,7 +206,7 @@ def describe(setup: Setup) -> None:
 
 
 def compile_train_step(
-    setup: Setup, tx: optax.GradientTransformation, shardings: TrainState, *, pad_id: int
+    setup: Setup, tx: optax.GradientTransformation, shardings: TrainState
 ) -> tuple[jax.stages.Compiled, NamedSharding]:
     """The train step compiled from shapes and shardings alone, and the batch's sharding.
 
@@ -214,9 +223,8 @@ def compile_train_step(
         learning_rate_schedule(cfg.training),
         state_shardings=shardings,
         batch_sharding=batch_sharding,
-        pad_id=pad_id,
+        token_format=setup.token_format,
         training=cfg.training,
-        documents=setup.documents,
         pipeline=setup.pipeline,
     )
     abstract_batch = jax.ShapeDtypeStruct(setup.batch_shape, np.int32, sharding=batch_sharding)

@@ -1,8 +1,10 @@
 """One jitted train step (gradient accumulation, mixed precision) and an eval step.
 
 Batches are int32 [accum, micro_global, seq_len + 1]: inputs are tokens[..., :-1] and targets
-tokens[..., 1:]. The loss is the mean over all target tokens of the update that are not padding,
-so accumulating 4 micro-batches of 2 equals one micro-batch of 8. How the micro-batches'
+tokens[..., 1:] (train.documents.TokenFormat reads them). The loss is the sum of the losses of
+all target tokens of the update that carry loss (not padding; for chat data, the trained tokens)
+divided by their number, so accumulating 4 micro-batches of 2 equals one micro-batch of 8 and
+no split of the batch weighs its tokens differently. How the micro-batches'
 gradients are summed and reduced over the batch axes is train.gradients'. The loss fuses the
 model's output projection with the cross-entropy (train.loss): no [B, T, V]
 log-probabilities, nor logits kept for the backward pass.
@@ -23,7 +25,7 @@ from meshtrain.models.abstract import AbstractModel, merge_model, without_mesh_a
 from meshtrain.models.attention import select_attention
 from meshtrain.models.transformer import default_positions
 from meshtrain.parallel.rules import constrain
-from meshtrain.train.documents import DocumentBoundaries
+from meshtrain.train.documents import TokenFormat
 from meshtrain.train.gradients import (
     LossAndGrads,
     gradient_sync,
@@ -59,17 +61,17 @@ def token_loss_sum(
     params: Any,
     tokens: jax.Array,
     *,
-    pad_id: int,
+    token_format: TokenFormat,
     compute_dtype: jnp.dtype,
-    documents: DocumentBoundaries | None = None,
     pipeline: PipelinePlan | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Summed cross-entropy over non-pad targets, and their count. tokens: [B, seq_len + 1].
+    """Summed cross-entropy over the targets that carry loss, and their count. tokens:
+    [B, seq_len + 1].
 
-    With `documents` (data.document_masking), a token attends only to the earlier tokens of its
-    own packed document, at positions that restart with each document. With `pipeline`, the
-    blocks run as its schedule's forward over the pp stages (train.pipeline)."""
-    inputs, targets, mask, segment_ids, positions = _shifted(tokens, pad_id, documents)
+    With document masking (token_format.documents), a token attends only to the earlier tokens
+    of its own packed document, at positions that restart with each document. With `pipeline`,
+    the blocks run as its schedule's forward over the pp stages (train.pipeline)."""
+    inputs, targets, mask, segment_ids, positions = token_format.read(tokens)
     net = merge_model(model, cast_params(model, params, compute_dtype))
     if pipeline is None:
         hidden = net.hidden(inputs, positions, segment_ids)
@@ -87,17 +89,6 @@ def token_loss_sum(
     return loss, jnp.sum(mask)
 
 
-def _shifted(
-    tokens: jax.Array, pad_id: int, documents: DocumentBoundaries | None
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
-    """tokens [B, seq_len + 1] → inputs and targets int32 [B, T], the mask of non-pad targets
-    fp32 [B, T], and with `documents` each input's segment id and position (else None)."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    mask = (targets != pad_id).astype(jnp.float32)
-    segment_ids, positions = documents.segments(inputs) if documents else (None, None)
-    return inputs, targets, mask, segment_ids, positions
-
-
 def _head_loss(
     net: Any, hidden: jax.Array, targets: jax.Array, mask: jax.Array, rules: Any
 ) -> jax.Array:
@@ -111,14 +102,13 @@ def one_f_one_b_loss_and_grads(
     params: Any,
     tokens: jax.Array,
     *,
-    pad_id: int,
+    token_format: TokenFormat,
     compute_dtype: jnp.dtype,
     pipeline: PipelinePlan,
-    documents: DocumentBoundaries | None = None,
 ) -> tuple[tuple[jax.Array, jax.Array], Any]:
     """((summed loss, token count), gradients) of token_loss_sum under the 1f1b schedule,
     which computes the gradients itself (train.pipeline.one_f_one_b)."""
-    inputs, targets, mask, segment_ids, positions = _shifted(tokens, pad_id, documents)
+    inputs, targets, mask, segment_ids, positions = token_format.read(tokens)
     positions = default_positions(inputs) if positions is None else positions
     compute_params = cast_params(model, params, compute_dtype)
     net = merge_model(model, compute_params)
@@ -164,9 +154,8 @@ def make_train_step(
     *,
     state_shardings: TrainState,
     batch_sharding: jax.sharding.NamedSharding,
-    pad_id: int,
+    token_format: TokenFormat,
     training: TrainingConfig,
-    documents: DocumentBoundaries | None = None,
     pipeline: PipelinePlan | None = None,
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """The compiled update: (state, batch) → (new state, metrics), with the state donated.
@@ -189,19 +178,17 @@ def make_train_step(
                 model,
                 params,
                 tokens,
-                pad_id=pad_id,
+                token_format=token_format,
                 compute_dtype=compute_dtype,
                 pipeline=pipeline,
-                documents=documents,
             )
         return jax.value_and_grad(
             lambda params, tokens: token_loss_sum(
                 model,
                 params,
                 tokens,
-                pad_id=pad_id,
+                token_format=token_format,
                 compute_dtype=compute_dtype,
-                documents=documents,
                 pipeline=pipeline,
             ),
             has_aux=True,
@@ -251,9 +238,8 @@ def make_eval_step(
     *,
     param_shardings: Any,
     batch_sharding: jax.sharding.NamedSharding,
-    pad_id: int,
+    token_format: TokenFormat,
     mixed_precision: str,
-    documents: DocumentBoundaries | None = None,
     pipeline: PipelinePlan | None = None,
 ) -> Callable[[Any, jax.Array], tuple[jax.Array, jax.Array]]:
     """Compiled (params, batch [B, seq_len + 1]) → (summed loss, token count)."""
@@ -264,9 +250,8 @@ def make_eval_step(
             model,
             params,
             batch,
-            pad_id=pad_id,
+            token_format=token_format,
             compute_dtype=compute_dtype,
-            documents=documents,
             pipeline=pipeline,
         )
 

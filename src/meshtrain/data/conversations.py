@@ -1,0 +1,98 @@
+"""Packs whole conversations (chat data) into fixed-length training sequences, read on demand.
+
+Conversations are laid into windows of seq_len + 1 tokens in order, as many whole ones as fit
+(greedy: the next one that does not fit starts a new window), and the rest of a window is
+padding. A conversation is never split across windows, so every sequence holds whole turns and
+document masking (data.document_masking) keeps its attention inside each conversation. Each
+token carries data.flags' marks: NOT_TRAINED where it is no target of the loss (stored with the
+tokens by meshtrain.data.chat_data; padding too), DOCUMENT_START on each conversation's first.
+
+A conversation longer than a window is cut to the window (data.overlong=truncate: its trained
+tokens past the cut are lost), left out (drop) or a one-line error (error); the count is kept in
+`overlong` for the log. Nothing is materialised: memory holds a few arrays per conversation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from meshtrain.data.flags import DOCUMENT_START, NOT_TRAINED
+from meshtrain.errors import DataError
+
+if TYPE_CHECKING:
+    from meshtrain.data.shards import PreparedCorpus
+
+
+def greedy_windows(lengths: np.ndarray, width: int) -> np.ndarray:
+    """int64 [windows + 1]: the index of the first conversation of each window, then the count.
+    lengths: int64 [conversations], each 1..width."""
+    firsts, fill = [0], 0
+    for i, length in enumerate(lengths.tolist()):
+        if fill + length > width:
+            firsts.append(i)
+            fill = 0
+        fill += length
+    firsts.append(len(lengths))
+    return np.asarray(firsts if len(lengths) else [0], np.int64)
+
+
+class PackedConversations:
+    """Random-access packed sequences (int32 [seq_len + 1], marked) of chosen conversations of
+    prepared chat corpora, in the order given: corpus by corpus, in index order."""
+
+    def __init__(
+        self,
+        parts: Sequence[tuple[PreparedCorpus, np.ndarray]],
+        *,
+        seq_len: int,
+        pad_id: int,
+        vocab_size: int,
+        split: str,
+        overlong: str,
+    ):
+        """parts: (corpus, int64 [n] indices of its conversations), in stream order."""
+        self.seq_len, self.split, self.vocab_size = seq_len, split, vocab_size
+        self.pad_id = pad_id
+        width = seq_len + 1
+        self._corpora = [corpus for corpus, _ in parts]
+        corpus = np.concatenate(
+            [np.full(len(docs), i, np.int64) for i, (_, docs) in enumerate(parts)] or [[]]
+        ).astype(np.int64)  # [n] which corpus each conversation is in
+        document = np.concatenate([np.asarray(d, np.int64) for _, d in parts] or [[]])
+        lengths = np.concatenate(
+            [c.lengths[np.asarray(d, np.int64)] for c, d in parts] or [[]]
+        ).astype(np.int64)
+        longer = lengths > width
+        self.overlong = int(longer.sum())  # conversations cut (truncate) or left out (drop)
+        if self.overlong and overlong == "error":
+            raise DataError(
+                f"{self.overlong} {split} conversations are longer than data.seq_len + 1 = "
+                f"{width} tokens (the longest: {int(lengths.max())}); raise data.seq_len, or set "
+                "data.overlong=truncate or data.overlong=drop"
+            )
+        keep = ~longer if overlong == "drop" else np.ones(len(lengths), bool)
+        self._corpus, self._document = corpus[keep], document[keep]
+        self._lengths = np.minimum(lengths[keep], width)  # [n] tokens taken of each
+        self._ends = np.cumsum(self._lengths)  # [n]
+        self._firsts = greedy_windows(self._lengths, width)  # [windows + 1]
+        self.num_documents = len(self._lengths)
+        self.num_tokens = int(self._ends[-1]) if len(self._ends) else 0
+
+    def __len__(self) -> int:
+        return len(self._firsts) - 1
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} sequences")
+        out = np.full(self.seq_len + 1, self.pad_id | NOT_TRAINED, np.int32)  # [seq_len + 1]
+        at = 0
+        for c in range(int(self._firsts[index]), int(self._firsts[index + 1])):
+            length = int(self._lengths[c])
+            corpus = self._corpora[int(self._corpus[c])]
+            out[at : at + length] = corpus.read(int(self._document[c]), 0, length)
+            out[at] |= DOCUMENT_START
+            at += length
+        return out
