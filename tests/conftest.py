@@ -1,13 +1,16 @@
 """Test set-up: 8 faked CPU devices, set before JAX starts, a shared compilation cache, the
-fixtures, and two checks of the whole session (helpers.guards): it fails if the tests wrote into
-the checkout's outputs/ or multirun/, or if a session without slow tests imported torch or
-transformers. The code tests share is in tests/helpers/ (`from helpers.config import ...`)."""
+fixtures, and two checks of the whole session (helpers.guards): it fails if the checkout's
+outputs/ or multirun/ gained paths while tests ran (the tests', or another process's: the message
+says which test ran), or if a session without slow tests imported torch or transformers. The
+code tests share is in tests/helpers/ (`from helpers.config import ...`)."""
 # ruff: noqa: E402  (the environment must be set before anything imports jax)
 
 import atexit
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Iterator
 
 from helpers.process import FAST_COMPILE  # the standard library only: JAX is not loaded yet
 
@@ -38,12 +41,26 @@ import pytest
 from helpers import guards
 
 _CHECKOUT = pytest.StashKey[guards.Snapshot]()
+_WINDOWS = pytest.StashKey[list[guards.Window]]()
 _SLOW_SELECTED = pytest.StashKey[bool]()
 _FAILURES = pytest.StashKey[list[str]]()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.stash[_CHECKOUT] = guards.snapshot()
+    session.config.stash[_WINDOWS] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Keep the time each test ran (set-up and teardown included): a path of the checkout
+    written while none ran is not the tests'."""
+    start = time.time_ns()
+    try:
+        return (yield)
+    finally:
+        window = guards.Window(item.nodeid, start, time.time_ns())
+        item.config.stash.setdefault(_WINDOWS, []).append(window)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -54,9 +71,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     failures = []
-    changed = guards.changes(session.config.stash[_CHECKOUT], guards.snapshot())
-    if changed:
-        failures.append(guards.checkout_message(changed))
+    windows = session.config.stash.get(_WINDOWS, [])
+    found = guards.suspects(session.config.stash[_CHECKOUT], guards.snapshot(), windows)
+    if found:
+        failures.append(guards.checkout_message(found))
     imported = guards.heavy_imports()
     if imported and not session.config.stash.get(_SLOW_SELECTED, True):
         failures.append(guards.heavy_import_message(imported))

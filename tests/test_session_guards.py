@@ -1,11 +1,22 @@
 """The session's own checks (tests/conftest.py, helpers.guards): the tests write nothing into the
-checkout's outputs/ or multirun/, and a session of the default tests imports no torch."""
+checkout's outputs/ or multirun/ (and blame them only for what appeared there while a test ran,
+outside the runs that were there before), and a session of the default tests imports no torch."""
 
 import os
 import subprocess
 import sys
+import time
 
-from helpers.guards import changes, checkout_message, heavy_import_message, heavy_imports, snapshot
+from helpers.guards import (
+    Suspect,
+    Window,
+    changes,
+    checkout_message,
+    heavy_import_message,
+    heavy_imports,
+    snapshot,
+    suspects,
+)
 from helpers.paths import REPO
 
 
@@ -31,12 +42,58 @@ def test_a_new_run_directory_and_a_changed_file_are_named(tmp_path):
     assert "outputs/tiny/2026-01-31/train.log" in changes(after, snapshot(tmp_path))
 
 
-def test_the_message_names_the_paths_in_the_checkout():
-    changed = [f"outputs/run{i:02}" for i in range(12)]
-    message = checkout_message(changed)
-    assert message.startswith(f"the tests wrote into the checkout: {REPO}/outputs/run00, ")
-    assert f"{REPO}/outputs/run09 and 2 more appeared" in message
-    assert "run10" not in message and "hydra.run.dir" in message
+def _window(test: str, seconds: float = 60) -> Window:
+    """A window around now, `seconds` either side."""
+    now = time.time_ns()
+    return Window(test, now - int(seconds * 1e9), now + int(seconds * 1e9))
+
+
+def test_only_what_appeared_while_a_test_ran_outside_older_runs_is_suspect(tmp_path):
+    old_run = tmp_path / "outputs" / "gemma3_270m_chat" / "2026-01-30" / "09-00-00"
+    (old_run / ".hydra").mkdir(parents=True)
+    (old_run / "train.log").write_text("step 1")
+    before = snapshot(tmp_path)
+    # A user's run going on while the tests run writes only into its own run directory.
+    (old_run / "train.log").write_text("step 1\nstep 2")
+    (old_run / "checkpoints" / "100").mkdir(parents=True)
+    # A new run directory: the tests' or another process's; topmost only.
+    new_run = tmp_path / "outputs" / "tiny" / "2026-01-31" / "12-00-00"
+    new_run.mkdir(parents=True)
+    for i in range(5):
+        (new_run / f"file{i}").write_text("x")
+    after = snapshot(tmp_path)
+    found = suspects(before, after, [_window("tests/a.py::test_a")], root=tmp_path)
+    assert found == [Suspect("outputs/tiny", "tests/a.py::test_a")]
+    # Written while no test ran (the windows are long past): not the tests'.
+    past = Window("tests/a.py::test_a", 0, 1)
+    assert suspects(before, after, [past], root=tmp_path) == []
+    # A path that went is nobody's to blame.
+    assert suspects(after, before, [_window("t")], root=tmp_path) == []
+
+
+def test_a_new_run_in_an_existing_date_directory_is_suspect(tmp_path):
+    day = tmp_path / "outputs" / "tiny" / "2026-01-31"
+    (day / "09-00-00" / ".hydra").mkdir(parents=True)
+    before = snapshot(tmp_path)
+    (day / "12-00-00").mkdir()
+    (day / "12-00-00" / "train.log").write_text("step 1")
+    found = suspects(before, snapshot(tmp_path), [_window("t")], root=tmp_path)
+    assert [s.path for s in found] == ["outputs/tiny/2026-01-31/12-00-00"]
+
+
+def test_the_message_is_one_line_with_a_few_examples_and_their_tests():
+    found = [Suspect(f"outputs/run{i:03}", f"tests/t.py::test_{i}") for i in range(465)]
+    message = checkout_message(found)
+    assert "\n" not in message
+    assert message.startswith(
+        "465 paths appeared or changed in the checkout's outputs/ or multirun/ while tests ran, "
+        "written by the tests or by another process (a run of yours started meanwhile?): "
+        f"{REPO}/outputs/run000 (while tests/t.py::test_0 ran); "
+    )
+    assert f"{REPO}/outputs/run002 (while tests/t.py::test_2 ran); and 462 more." in message
+    assert "run003" not in message and "hydra.run.dir" in message
+    one = checkout_message(found[:1])
+    assert one.startswith("1 path appeared") and "more" not in one
 
 
 def test_only_the_parity_modules_count_as_heavy():

@@ -20,6 +20,13 @@ from helpers.process import assert_one_line_error, run_training, subprocess_env
             "model.mesh_shape [[3,1],[fsdp,tp]] uses 3 devices but 8 are visible; use [[8,1],[fsdp,tp]] or [[4,2],[fsdp,tp]]",
         ),
         (
+            "model.mesh_shape=[[16,1],[fsdp,tp]]",
+            "model.mesh_shape [[16,1],[fsdp,tp]] uses 16 devices but 8 are visible; use "
+            "[[8,1],[fsdp,tp]] or [[4,2],[fsdp,tp]], or -1 for one size (e.g. [[-1,1],[fsdp,tp]]); "
+            "on a CPU, fake 16 devices with XLA_FLAGS=--xla_force_host_platform_device_count=16 "
+            "or plan.fake_devices=16",
+        ),
+        (
             'model.mesh_shape=[[4,2],["data","tp"]]',
             "unknown axis 'data'; known axes are dp, pp, fsdp, tp",
         ),
@@ -41,6 +48,21 @@ from helpers.process import assert_one_line_error, run_training, subprocess_env
         (
             "+training.stepz=3",
             "unknown config key 'training.stepz' (did you mean 'training.steps'?)",
+        ),
+        (
+            "data.mixture=[{name:a,path:[x]}]",
+            "meshtrain: error: unknown config key 'data.mixture[0].path' (did you mean 'paths'?); "
+            "a data.mixture entry has the keys name, paths, weight",
+        ),
+        (
+            "data.mixture=[{name:a,paths:[x]},{nme:b}]",
+            "meshtrain: error: unknown config key 'data.mixture[1].nme' (did you mean 'name'?); "
+            "a data.mixture entry has the keys name, paths, weight",
+        ),
+        (
+            "data={mixture:[{name:a,pth:[x]}]}",
+            "meshtrain: error: unknown config key 'pth' in a data.mixture entry (did you mean "
+            "'paths'?); a data.mixture entry has the keys name, paths, weight",
         ),
         (
             "model=llama3",
@@ -107,6 +129,14 @@ def test_help_lists_the_config_groups():
         "training: default",
     ):
         assert group in result.stdout
+    assert (
+        "Pick the parallelism with model.mesh_shape=[[sizes...],[axis names...]], e.g.\n"
+        "'model.mesh_shape=[[4,2],[fsdp,tp]]' for 4-way FSDP by 2-way tensor parallel; see "
+        "docs/parallelism.md.\n"
+    ) in result.stdout
+    assert "Every key, its type and its doc: src/meshtrain/config/schema.py." in result.stdout
+    assert (REPO / "src/meshtrain/config/schema.py").is_file()
+    assert "config.py" not in result.stdout.replace("config/schema.py", "")
 
 
 def test_train_from_the_command_line_with_a_quoted_mesh(tmp_path):

@@ -1,18 +1,23 @@
 """SIGTERM/SIGINT on a real run: finish the step, save, exit 128 + signal; a second one aborts."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 from helpers.paths import REPO
 from helpers.process import subprocess_env
+from helpers.runs import SMALL_RUN, train_tiny
+from jax.experimental import multihost_utils
 
-from meshtrain.checkpoint import committed_steps, read_meta
-from meshtrain.distributed.preemption import exit_code_for
+from meshtrain.checkpoint import RunCheckpoints, committed_steps, read_meta
+from meshtrain.distributed.preemption import StopSignals, exit_code_for
 
 
 def start(run_dir: Path) -> subprocess.Popen:
@@ -73,3 +78,41 @@ def test_a_second_signal_aborts_at_once(tmp_path):
     assert process.returncode == -signal.SIGINT, output[-3000:]
     assert "second signal (SIGINT): aborting without saving" in output
     assert committed_steps(tmp_path / "checkpoints") == []
+
+
+def test_a_signal_during_a_periodic_save_stops_there_without_one_more_checkpoint(
+    tmp_path, monkeypatch
+):
+    """SIGTERM while checkpoint 4 (checkpoint.every_steps=4) is being saved: the run stops on
+    it, neither training step 5 nor saving it (checkpoints 4 and 5 back to back before)."""
+    save = RunCheckpoints.save
+
+    def save_then_signal(self, step, *args):
+        save(self, step, *args)
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(RunCheckpoints, "save", save_then_signal)
+    result = train_tiny(
+        tmp_path, *SMALL_RUN, "training.steps=20", "checkpoint.every_steps=4", devices=1
+    )
+    assert result.stopped_by == signal.SIGTERM
+    assert [h["step"] for h in result.history] == [1, 2, 3, 4]
+    assert committed_steps(tmp_path / "checkpoints") == [4]
+
+
+def test_processes_agree_on_a_stop_after_a_save_between_agreement_steps(monkeypatch):
+    """Several processes agree every agree_every steps, and at once where all pass agree_now
+    (after a save): there a signal another process received stops every one of them."""
+    gathered = []
+
+    def allgather(value):
+        gathered.append(int(value))
+        return np.array([int(value), int(signal.SIGTERM)])  # the other process has SIGTERM
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    signals = StopSignals(agree_every=100)
+    assert signals.stop_requested(4) is False and gathered == []
+    assert signals.stop_requested(4, agree_now=True) is True
+    assert gathered == [0] and signals.received == signal.SIGTERM

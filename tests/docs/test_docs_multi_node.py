@@ -130,3 +130,21 @@ def test_local_launcher_line(line: str, tmp_path: Path):
         records = [json.loads(x) for x in metrics.read_text().splitlines()]
         assert [r["step"] for r in records] == [1, 2, 3]
         assert records[-1]["val_loss"] < records[0]["loss"]
+
+
+def test_the_cpu_torchrun_example_sets_omp_num_threads_against_torchruns_banner():
+    exports = [
+        split_env(line)[0]
+        for block in bash_lines()
+        for line in block
+        if line.startswith("export XLA_FLAGS=")
+    ]
+    assert {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "OMP_NUM_THREADS": "1",
+    } in exports
+    assert (
+        "`OMP_NUM_THREADS=1` is what torchrun sets anyway; set explicitly, it spares you torchrun's\n"
+        "banner about it."
+    ) in (REPO / DOC).read_text()

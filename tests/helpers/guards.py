@@ -2,13 +2,24 @@
 into the checkout (Hydra's `outputs/` and `multirun/` there), and a session of the default (not
 slow) tests imported neither torch nor transformers, which the `test` extra does not install.
 
+Who wrote a file is not knowable afterwards: a user's own `python run_training.py` writes the
+same `outputs/` while the suite runs. What is knowable, and all the check goes on:
+
+- what appeared or changed between the session's start and its end (two snapshots);
+- when (its mtime), so a path written while no test ran is not the tests': the windows are the
+  [start, end] of each test, kept by conftest.py;
+- where: the suite always makes a new run directory, it never writes into a run directory that
+  existed before the session (a user's run going on while the suite runs writes only there).
+
+A path that passes all three was written by a test or by another process; the message says so.
 Imports nothing but the standard library and helpers.paths: conftest.py loads it before JAX.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from helpers.paths import REPO
@@ -18,9 +29,29 @@ from helpers.paths import REPO
 RUN_ROOTS = ("outputs", "multirun")
 # The `parity` extra's packages (pyproject.toml): only slow tests may import them.
 HEAVY_MODULES = ("torch", "transformers")
-_SHOWN = 10  # paths named in the message; the rest are counted
+_SHOWN = 3  # example paths named in the message; the rest are counted
+# A file's mtime comes from the kernel's coarse clock, a tick behind time.time_ns(): a window
+# stretches by this much either side.
+_SLACK_NS = 100_000_000
 
 Snapshot = dict[str, tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class Window:
+    """The time one test ran, in time.time_ns() (the clock of file mtimes)."""
+
+    test: str
+    start_ns: int
+    end_ns: int
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A path (relative to the checkout) that appeared or changed while `test` ran."""
+
+    path: str
+    test: str
 
 
 def snapshot(root: Path = REPO, names: Iterable[str] = RUN_ROOTS) -> Snapshot:
@@ -48,13 +79,65 @@ def changes(before: Snapshot, after: Snapshot) -> list[str]:
     )
 
 
-def checkout_message(changed: list[str], root: Path = REPO) -> str:
-    shown = ", ".join(str(root / path) for path in changed[:_SHOWN])
-    more = f" and {len(changed) - _SHOWN} more" if len(changed) > _SHOWN else ""
+def run_dirs(before: Snapshot) -> set[str]:
+    """The directories of `before` that held a file or a `.hydra/` directly: the run directories
+    that existed before the session (not a run root, nor a date directory of runs)."""
+    found = set()
+    for path, (size, _) in before.items():
+        parent, _, name = path.rpartition("/")
+        if parent and "/" in parent and (size != -1 or name == ".hydra"):
+            found.add(parent)
+    return found
+
+
+def _in_old_run(path: str, old_runs: set[str]) -> bool:
+    """Whether `path` is in (or is) a run directory that existed before the session."""
+    parts = path.split("/")
+    return any("/".join(parts[:i]) in old_runs for i in range(2, len(parts) + 1))
+
+
+def _test_at(mtime_ns: int, windows: Sequence[Window]) -> str | None:
+    """The test that ran at `mtime_ns`, or None when none did."""
+    return next(
+        (w.test for w in windows if w.start_ns - _SLACK_NS <= mtime_ns <= w.end_ns + _SLACK_NS),
+        None,
+    )
+
+
+def suspects(
+    before: Snapshot, after: Snapshot, windows: Sequence[Window], root: Path = REPO
+) -> list[Suspect]:
+    """The paths of `after` that appeared or changed since `before`, outside every run
+    directory of `before`, whose mtime falls while a test ran, topmost only (a new directory
+    stands for what is below it), sorted. A path that went is left out: when it went, and who
+    removed it, is not knowable, and the tests never remove what they did not write."""
+    old_runs = run_dirs(before)
+    found: list[Suspect] = []
+    for path in sorted(p for p in after if before.get(p) != after[p]):
+        if _in_old_run(path, old_runs) or any(path.startswith(f"{s.path}/") for s in found):
+            continue
+        try:
+            mtime = (root / path).lstat().st_mtime_ns
+        except FileNotFoundError:
+            continue
+        test = _test_at(mtime, windows)
+        if test is not None:
+            found.append(Suspect(path, test))
+    return found
+
+
+def checkout_message(found: Sequence[Suspect], root: Path = REPO) -> str:
+    """One line: how many paths, that the tests or another process wrote them, a few examples
+    with the test that was running, and how a test keeps out of the checkout."""
+    shown = "; ".join(f"{root / s.path} (while {s.test} ran)" for s in found[:_SHOWN])
+    more = f"; and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
+    count = f"{len(found)} path{'s' if len(found) != 1 else ''}"
     return (
-        f"the tests wrote into the checkout: {shown}{more} appeared, changed or went; give each "
-        "run hydra.run.dir (a sweep hydra.sweep.dir) under tmp_path, or start the child in "
-        "helpers.process.scratch_dir() (run_python and run_training do by default)"
+        f"{count} appeared or changed in the checkout's outputs/ or multirun/ while tests ran, "
+        f"written by the tests or by another process (a run of yours started meanwhile?): "
+        f"{shown}{more}. A test gives each run hydra.run.dir (a sweep hydra.sweep.dir) under "
+        "tmp_path, or starts its child in helpers.process.scratch_dir() (run_python and "
+        "run_training do by default)"
     )
 
 
@@ -66,6 +149,7 @@ def heavy_imports(modules: Mapping[str, object] | None = None) -> list[str]:
 
 
 def heavy_import_message(imported: list[str]) -> str:
+    """The failure of a default session that imported `imported`."""
     names = " and ".join(imported)
     return (
         f"the default (not slow) tests imported {names}, which `pip install -e '.[test]'` does "

@@ -6,6 +6,7 @@ recomputes them and runs the round trips through transformers itself."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from meshtrain.hf.save import export_hf
 from meshtrain.hf.tensor_map import hf_tensors
 from meshtrain.inference.load import load_hf
 from meshtrain.models.abstract import merge_model
+from meshtrain.train import initial_weights
 from meshtrain.train.initial_weights import load_initial_params
 from meshtrain.train.loop import train
 from meshtrain.train.optimizer import build_optimizer
@@ -99,6 +101,25 @@ def test_logits_match_transformers(family, checkpoints):
     setup, state = _start(_config(family, checkpoints[family]), jax.devices()[:1])
     theirs = tiny_hf.reference(family)["logits"]
     assert relative_error(_logits(setup, state.params), theirs) <= LOGIT_TOLERANCE
+
+
+def test_init_from_logs_the_tensors_it_read(checkpoints):
+    """Like checkpoint.load_params, model.init_from confirms in one line what it read."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    level = initial_weights.log.level
+    initial_weights.log.addHandler(handler)
+    initial_weights.log.setLevel(logging.INFO)
+    try:
+        _start(_config("llama", checkpoints["llama"]), jax.devices()[:1])
+    finally:
+        initial_weights.log.removeHandler(handler)
+        initial_weights.log.setLevel(level)
+    assert lines == [
+        f"parameters from hf:{checkpoints['llama']} (30 tensors, llama); the optimizer, step "
+        "and data position start fresh"
+    ]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

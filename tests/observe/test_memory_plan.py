@@ -92,6 +92,27 @@ def test_verdict_fits():
     assert plan_with().fits is None and "no memory size known" in plan_with().format()[-1]
 
 
+def test_a_run_logs_one_line_where_no_device_memory_size_is_known():
+    unknown = plan_with()
+    assert unknown.log_lines(dry_run=False) == [
+        "memory plan per device: 16.00 GiB in all (parameters 2.00 GiB, optimizer state "
+        "4.00 GiB, activations + temps 10.00 GiB); set plan.device=h100 (or h200, a100_80gb, "
+        "b200, v5e...) to check it against a device; the full table is in plan.json"
+    ]
+    # A dry run and a known device memory size (GPU, TPU, plan.device) keep the whole table.
+    assert unknown.log_lines(dry_run=True) == unknown.format()
+    assert len(unknown.format()) == 9
+    h100 = plan_with(device="h100", capacity_bytes=accelerator_named("h100").memory_gib * GIB * 0.9)
+    assert h100.log_lines(dry_run=False) == h100.format()
+    assert h100.format()[0] == "memory plan per device (mesh dp=1, fsdp=8, tp=1):"
+    # The rows of costs a config chose stay under the one line.
+    replicated = plan_with(replicated_kv_bytes=GIB // 2, replicated_kv_over=2)
+    assert replicated.log_lines(dry_run=False)[1:] == [
+        "    key/value, whole    512.00 MiB   (replicated over tp=2: 256.00 MiB more than a 1/tp "
+        "split, as much again in gradients and in each Adam moment)"
+    ]
+
+
 # docs/planning.md's error example (tests/docs/test_profiling_docs.py) covers an unknown plan.device.
 
 

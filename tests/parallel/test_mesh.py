@@ -75,6 +75,34 @@ def test_parse_mesh_shape_errors(mesh_shape, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("platform", "hint"),
+    [
+        (
+            "cpu",
+            "; on a CPU, fake 16 devices with XLA_FLAGS=--xla_force_host_platform_device_count=16 "
+            "or plan.fake_devices=16",
+        ),
+        ("gpu", ""),
+        (None, ""),
+    ],
+)
+def test_too_large_a_mesh_on_a_cpu_says_how_to_fake_devices(platform, hint):
+    with pytest.raises(ConfigError) as err:
+        parse_mesh_shape([[16, 1], ["fsdp", "tp"]], 8, platform=platform)
+    assert str(err.value) == (
+        "model.mesh_shape [[16,1],[fsdp,tp]] uses 16 devices but 8 are visible; use "
+        "[[8,1],[fsdp,tp]] or [[4,2],[fsdp,tp]], or -1 for one size (e.g. [[-1,1],[fsdp,tp]])"
+        + hint
+    )
+
+
+def test_too_small_a_mesh_on_a_cpu_needs_no_faked_devices():
+    with pytest.raises(ConfigError) as err:
+        parse_mesh_shape([[3, 1], ["fsdp", "tp"]], 8, platform="cpu")
+    assert "fake" not in str(err.value)
+
+
 def test_build_mesh_puts_tp_innermost():
     mesh = build_mesh(parse_mesh_shape([[2, 4], ["tp", "fsdp"]], 8))
     assert mesh.axis_names == MESH_AXES

@@ -15,13 +15,14 @@ from meshtrain.cli.train import skip_gpu_plugin_without_gpu
 from meshtrain.errors import ConfigError
 from meshtrain.inference.export import EXPORTERS, ExportError, export
 from meshtrain.observe.metrics import setup_logging
+from meshtrain.prog import prog_name
 
 log = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m meshtrain.export",
+        prog=prog_name("meshtrain.export"),
         description="Write the parameters of a meshtrain checkpoint, without optimizer state.",
     )
     parser.add_argument("checkpoint", type=Path, help="checkpoint, checkpoints/ or run directory")

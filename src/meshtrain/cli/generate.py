@@ -28,11 +28,12 @@ from meshtrain.data.tokenizer import Tokenizer, build_tokenizer
 from meshtrain.errors import ConfigError
 from meshtrain.inference.generate import generate, generate_chat
 from meshtrain.inference.load import load_model, load_tokenizer
+from meshtrain.prog import prog_name
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m meshtrain.generate",
+        prog=prog_name("meshtrain.generate"),
         description="Continue a prompt with a meshtrain or Hugging Face checkpoint, or answer "
         "it as a chat message (--chat); greedy unless --temperature.",
     )

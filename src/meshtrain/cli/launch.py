@@ -11,13 +11,12 @@ from collections.abc import Sequence
 from meshtrain.cli.exit import fail
 from meshtrain.distributed.launcher import LaunchOptions, launch
 from meshtrain.errors import ConfigError
-
-PROG = "python -m meshtrain.launch"
+from meshtrain.prog import prog_name
 
 
 def parse_args(argv: Sequence[str]) -> LaunchOptions:
     parser = argparse.ArgumentParser(
-        prog=PROG,
+        prog=prog_name("meshtrain.launch"),
         description="Run the processes of one training run on this machine (docs/multi-node.md).",
     )
     parser.add_argument("--nprocs", type=int, required=True, help="processes on this machine")

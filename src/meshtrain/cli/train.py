@@ -32,7 +32,13 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from meshtrain.cli.exit import EXIT_CHECKPOINT_WRITE, EXIT_NONFINITE, fail, fail_now
-from meshtrain.config.hydra import register_configs, to_config, unknown_key_message
+from meshtrain.config.hydra import (
+    list_entry_keys,
+    register_configs,
+    to_config,
+    unknown_entry_key_message,
+    unknown_key_message,
+)
 from meshtrain.config.schema import AUTO_CACHE, cache_dir
 from meshtrain.distributed.environment import register_run_dir_resolvers
 from meshtrain.distributed.xla_flags import merge_xla_flags
@@ -58,6 +64,36 @@ def _wants_traceback() -> bool:
     return _USER_WANTS_TRACEBACK
 
 
+def _entry_index(err: BaseException, list_key: str, key: str) -> int | None:
+    """The index of the first entry holding `key` in the list that a failed `list_key=[...]`
+    override sets (Hydra's message repeats it as `+list_key=[...]`), or None if unknown."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    prefix = f"+{list_key}="
+    for line in str(err).splitlines():
+        _, found, override = line.partition(prefix)
+        if not found:
+            continue
+        try:
+            value = OverridesParser.create().parse_override(f"{list_key}={override}").value()
+        except HydraException:
+            return None
+        entries = value if isinstance(value, list) else []
+        return next((i for i, e in enumerate(entries) if isinstance(e, dict) and key in e), None)
+    return None
+
+
+def _unknown_key_message(err: BaseException, cause: OmegaConfBaseException, key: str) -> str:
+    """unknown_key_message, or unknown_entry_key_message when the key is inside an entry of a
+    list of the schema (a data.mixture source), where OmegaConf names the key alone."""
+    entry = getattr(cause, "object_type", None)
+    list_key = next((name for name, kind in list_entry_keys() if kind is entry), None)
+    if list_key is None:
+        return unknown_key_message(key)
+    index = _entry_index(err, list_key, key)
+    return unknown_entry_key_message(key, list_key, entry, index)
+
+
 def describe_config_error(err: BaseException) -> str:
     """One line for a Hydra/OmegaConf composition error, naming the key and what to do."""
     if isinstance(err, MissingConfigException) and err.options and err.missing_cfg_file:
@@ -73,7 +109,7 @@ def describe_config_error(err: BaseException) -> str:
         key = getattr(cause, "full_key", None) or "?"
         detail = str(getattr(cause, "msg", "") or cause).splitlines()[0]
         if "not in struct" in detail or ("Key '" in detail and "not" in detail):
-            return unknown_key_message(key)
+            return _unknown_key_message(err, cause, key)
         return (
             f"bad value for '{key}': {detail}; see `python run_training.py --cfg job` for its type"
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,6 +49,33 @@ def unknown_key_message(key: str) -> str:
     return (
         f"unknown config key '{key}'{did_you_mean(key, schema_keys())}; list the keys with "
         "`python run_training.py --cfg job`"
+    )
+
+
+def list_entry_keys(schema: type = Config, prefix: str = "") -> Iterator[tuple[str, type]]:
+    """Every list-of-dataclass key of the schema with its entry dataclass:
+    ("data.mixture", MixtureSource)."""
+    hints = typing.get_type_hints(schema)
+    for field in dataclasses.fields(schema):
+        if section := _section(field):
+            yield from list_entry_keys(section, f"{prefix}{field.name}.")
+            continue
+        hint = hints[field.name]
+        args = typing.get_args(hint)
+        if typing.get_origin(hint) is list and args and dataclasses.is_dataclass(args[0]):
+            yield f"{prefix}{field.name}", args[0]
+
+
+def unknown_entry_key_message(key: str, list_key: str, entry: type, index: int | None) -> str:
+    """The one-line error for a key that an entry of the list `list_key` (a data.mixture source,
+    dataclass `entry`) lacks, with the closest field of the entry; `index`: the entry, if known."""
+    fields = [field.name for field in dataclasses.fields(entry)]
+    where = (
+        f"'{list_key}[{index}].{key}'" if index is not None else f"'{key}' in a {list_key} entry"
+    )
+    return (
+        f"unknown config key {where}{did_you_mean(key, fields)}; "
+        f"a {list_key} entry has the keys {', '.join(fields)}"
     )
 
 

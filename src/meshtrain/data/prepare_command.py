@@ -17,6 +17,7 @@ from meshtrain.data.chat_data import TRAIN_ON, chat_options_for
 from meshtrain.data.prepare import prepare
 from meshtrain.data.sources import ON_BAD_RECORD, resolve_paths
 from meshtrain.errors import error_line
+from meshtrain.prog import prog_name
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,7 +28,7 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = _Parser(
-        prog="python -m meshtrain.data.prepare",
+        prog=prog_name("meshtrain.data.prepare"),
         description="Tokenise documents once into token shards that `data=prepared "
         "data.path=DIR` trains on. An interrupted run continues where it stopped when run again.",
     )

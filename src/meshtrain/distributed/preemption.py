@@ -8,7 +8,9 @@ restores the default action and re-raises itself, so the process dies at once (a
 checkpoint is never chosen for resume).
 
 With several processes, all must stop at the same step or the save would wait forever for the
-ones still training: they agree with one small all-gather at every `agree_every`-th step.
+ones still training: they agree with one small all-gather at every `agree_every`-th step, and
+after every checkpoint, so that a stop right after a save exits there instead of training and
+saving one more step.
 """
 
 from __future__ import annotations
@@ -68,11 +70,13 @@ class StopSignals:
         self.received = signum
         log.warning("received %s: finishing this step, saving a checkpoint, then exiting", name)
 
-    def stop_requested(self, step: int) -> bool:
-        """Whether to stop after `step`; the same answer on every process."""
+    def stop_requested(self, step: int, *, agree_now: bool = False) -> bool:
+        """Whether to stop after `step`; the same answer on every process. The processes agree
+        at every `agree_every`-th step, and at any step where all of them pass `agree_now`
+        (the loop does after a checkpoint, so a signal that came during the save stops there)."""
         if jax.process_count() == 1:
             return self.received is not None
-        if step % self._agree_every:
+        if step % self._agree_every and not agree_now:
             return False
         signals = multihost_utils.process_allgather(np.int32(self.received or 0))
         if self.received is None and np.any(signals):

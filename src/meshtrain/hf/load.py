@@ -94,6 +94,12 @@ def check_init_from(cfg: ModelConfig) -> None:
             )
 
 
+def checkpoint_summary(directory: Path, cfg: ModelConfig) -> str:
+    """What `load_params` reads from `directory`, for the log: "<N> tensors, <model_type>"."""
+    count = len(resolve_tensors(cfg, CheckpointReader(directory)))
+    return f"{count} tensors, {read_config_json(directory).get('model_type')}"
+
+
 def _read_sharded(
     reader: CheckpointReader,
     name: str,

@@ -64,6 +64,10 @@ def unsharded_grad_bytes(params: Any, shardings: Any, axes: tuple[str, ...]) -> 
     return bytes_per_device(fp32, whole)
 
 
+# The rows of `MemoryPlan.format` that a run logs under the one-line summary too.
+_CHOSEN_COST_ROWS = ("    key/value, whole", "    unsharded sums", "  pipeline ")
+
+
 @dataclass
 class MemoryPlan:
     """Bytes per device of one train step, and the verdict against a device's memory."""
@@ -148,7 +152,30 @@ class MemoryPlan:
         ]
         return [text for _, text in sorted(by_size, key=lambda item: -item[0])]
 
+    def summary(self) -> str:
+        """The plan in one line, for a run on devices of no known memory size (plan.json and
+        `format` hold the whole table)."""
+        return (
+            f"memory plan per device: {format_bytes(self.total_bytes)} in all (parameters "
+            f"{format_bytes(self.params_bytes)}, optimizer state "
+            f"{format_bytes(self.opt_state_bytes)}, activations + temps "
+            f"{format_bytes(self.activation_bytes)}); set plan.device=h100 (or h200, a100_80gb, "
+            "b200, v5e...) to check it against a device; the full table is in plan.json"
+        )
+
+    def log_lines(self, *, dry_run: bool) -> list[str]:
+        """What a run logs: the whole table where it is checked against a device memory size
+        (a GPU or TPU, plan.device) and in a dry run (training.dry_run); else the one line, and
+        under it the rows of the costs a config chose, if any (replicated key/value
+        projections, unsharded gradient sums, the pipeline)."""
+        if self.fits is not None or dry_run:
+            return self.format()
+        chosen = [line for line in self.format() if line.startswith(_CHOSEN_COST_ROWS)]
+        return [self.summary(), *chosen]
+
     def format(self) -> list[str]:
+        """The whole table, ending in the verdict against the device (and what would shrink the
+        plan when it does not fit)."""
         lines = [
             "memory plan per device "
             + f"(mesh {', '.join(f'{k}={v}' for k, v in self.mesh.items())}):",

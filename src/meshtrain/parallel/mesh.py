@@ -63,8 +63,19 @@ def _suggestions(num_devices: int, names: Sequence[str]) -> str:
     return " or ".join(shapes) + f", or -1 for one size (e.g. {minus_one})"
 
 
-def parse_mesh_shape(mesh_shape: Any, num_devices: int) -> MeshSpec:
-    """Validates `model.mesh_shape` ([[sizes], [names]]) against the visible device count."""
+def _fake_devices_hint(used: int, num_devices: int, platform: str | None) -> str:
+    """How to fake the CPU devices a mesh needs, for an error about too few of them; else ""."""
+    if platform != "cpu" or used <= num_devices:
+        return ""
+    return (
+        f"; on a CPU, fake {used} devices with "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={used} or plan.fake_devices={used}"
+    )
+
+
+def parse_mesh_shape(mesh_shape: Any, num_devices: int, platform: str | None = None) -> MeshSpec:
+    """Validates `model.mesh_shape` ([[sizes], [names]]) against the visible device count;
+    `platform` (the devices' jax platform, "cpu") adds how to fake CPU devices to the error."""
     if (
         not isinstance(mesh_shape, Sequence)
         or isinstance(mesh_shape, str)
@@ -113,6 +124,7 @@ def parse_mesh_shape(mesh_shape: Any, num_devices: int) -> MeshSpec:
             f"model.mesh_shape {shown} uses {_devices(used)} but {num_devices} "
             f"{'is' if num_devices == 1 else 'are'} visible; "
             f"use {_suggestions(num_devices, names)}"
+            f"{_fake_devices_hint(used, num_devices, platform)}"
         )
     given = dict(zip(names, sizes, strict=True))
     return MeshSpec({axis: given.get(axis, 1) for axis in MESH_AXES})
@@ -187,5 +199,6 @@ def resolve_mesh(mesh: Mesh | Any | None) -> tuple[Mesh, MeshSpec]:
                 'mesh_shape like [[4,2],["fsdp","tp"]] instead'
             )
         return mesh, MeshSpec({axis: mesh.shape[axis] for axis in MESH_AXES})
-    spec = parse_mesh_shape(mesh, len(jax.devices()))
+    devices = jax.devices()
+    spec = parse_mesh_shape(mesh, len(devices), platform=devices[0].platform)
     return build_mesh(spec), spec

@@ -19,7 +19,7 @@ from meshtrain.checkpoint.layout import CorruptCheckpoint, read_meta, read_param
 from meshtrain.checkpoint.manager import read_newest
 from meshtrain.checkpoint.sources import check_params, checkpoints_at
 from meshtrain.config.schema import Config
-from meshtrain.hf.load import check_init_from, checkpoint_dir, load_params
+from meshtrain.hf.load import check_init_from, checkpoint_dir, checkpoint_summary, load_params
 from meshtrain.models.abstract import AbstractModel
 
 log = logging.getLogger(__name__)
@@ -69,10 +69,12 @@ def load_initial_params(cfg: Config, model: AbstractModel, *, checkpoint_dir_of_
         )
         return params
     if cfg.model.init_from is not None:
-        return load_params(
-            checkpoint_dir(cfg.model.init_from),
-            cfg.model,
-            model.abstract_params,
-            model.param_shardings,
+        directory = checkpoint_dir(cfg.model.init_from)
+        params = load_params(directory, cfg.model, model.abstract_params, model.param_shardings)
+        log.info(
+            "parameters from %s (%s); the optimizer, step and data position start fresh",
+            cfg.model.init_from,
+            checkpoint_summary(directory, cfg.model),
         )
+        return params
     return None

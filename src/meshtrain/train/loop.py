@@ -143,10 +143,15 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
                     history.append({"step": step, **values})
                     writer.write(step, values)
                     _stop_if_nonfinite(state, cfg, checkpoints)
-                if _save_checkpoint(checkpoints, step, state, batches, cfg, force=is_last or stop):
-                    clock.restart(
-                        step
-                    )  # the save waited for the step; its own time is not step time
+                saved = _save_checkpoint(
+                    checkpoints, step, state, batches, cfg, force=is_last or stop
+                )
+                if saved:  # the save waited for the step; its own time is not step time
+                    clock.restart(step)
+                if saved and not (stop or is_last):
+                    # A signal that came during this save: stop on the checkpoint just saved,
+                    # rather than train and save one more step (every process saved here).
+                    stop = signals.stop_requested(step, agree_now=True)
                 if stop:
                     stopped_by = signals.received
                     break

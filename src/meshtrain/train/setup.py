@@ -114,7 +114,7 @@ def prepare(
     `_open_checkpoints`, still before any compile.)"""
     check_config(cfg)
     devices = list(devices) if devices is not None else jax.devices()
-    mesh_spec = parse_mesh_shape(cfg.model.mesh_shape, len(devices))
+    mesh_spec = parse_mesh_shape(cfg.model.mesh_shape, len(devices), platform=devices[0].platform)
     check_against_mesh(cfg, mesh_spec)
     cfg = with_scan_layers(cfg, mesh_spec)
     mesh = build_mesh(mesh_spec, devices, hosts=process_hosts())
@@ -243,8 +243,9 @@ def inspect_compiled(
     run_dir: Path,
     is_main: bool,
 ) -> tuple[MemoryPlan, CommunicationReport]:
-    """Logs the compiled step's memory plan (and every collective, with
-    training.profile_communication) and writes plan.json (and communication.json)."""
+    """Logs the compiled step's memory plan (the whole table against a known device memory
+    size or in a dry run, else one line) and, with training.profile_communication, every
+    collective; writes plan.json (and communication.json)."""
     cfg = setup.cfg
     communication = account_collectives(compiled.as_text(), setup.mesh)
     device, capacity = device_capacity(
@@ -270,7 +271,7 @@ def inspect_compiled(
         ).shards,
         pipeline=None if setup.pipeline is None else setup.pipeline.to_json(),
     )
-    lines = plan.format()
+    lines = plan.log_lines(dry_run=cfg.training.dry_run)
     if cfg.training.profile_communication:
         lines += communication.format()
     for line in lines:
