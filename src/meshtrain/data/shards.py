@@ -249,8 +249,10 @@ class PreparedCorpus:
         if len(data) != (stop - start) * size:
             raise self._damaged(unit, "truncated after it was opened")
         ids = np.frombuffer(data, self._dtype).astype(np.int32)
+        if self._id_limit is None:
+            return ids
         largest = int((ids & ID_BITS).max())  # chat data: without the marks (data.flags)
-        if self._id_limit is not None and largest >= self._id_limit[0]:
+        if largest >= self._id_limit[0]:
             limit, key = self._id_limit
             problem = (
                 f"token id {largest} in document {document} is not below "

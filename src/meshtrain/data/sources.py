@@ -172,12 +172,9 @@ def _one_line(err: BaseException) -> str:
 
 
 def _record_text(
-    line: bytes, where: str, text_key: str, on_bad_record: str, bad: BadRecords
+    record: dict[str, Any], where: str, text_key: str, on_bad_record: str, bad: BadRecords
 ) -> str | None:
-    """The text of one .jsonl line, or None when the line is bad and skipped."""
-    record = _record(line, where, on_bad_record, bad)
-    if record is None:
-        return None
+    """The text of one .jsonl record, or None when it has none and is skipped."""
     if text_key not in record or record[text_key] is None:
         strings = [k for k, v in record.items() if isinstance(v, str)] or list(record)
         fix = f"set data.text_key={strings[0]}" if strings else "give each record a text"
@@ -239,17 +236,26 @@ def _jsonl_lines(path: Path, part: Part | None) -> Iterator[tuple[int, bytes]]:
             position, number = position + len(line), number + 1
 
 
-def _read_jsonl(path, text_key, on_bad_record, bad, part) -> Iterator[tuple[int, str]]:
+def _jsonl_records(
+    path: Path, on_bad_record: str, bad: BadRecords, part: Part | None
+) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """(line number, where, object) of each readable record of a .jsonl or .jsonl.gz file."""
     try:
         for number, line in _jsonl_lines(path, part):
-            if line.strip():
-                text = _record_text(line, f"{path}:{number}", text_key, on_bad_record, bad)
-                if text is not None:
-                    yield number, text
+            where = f"{path}:{number}"
+            if line.strip() and (record := _record(line, where, on_bad_record, bad)):
+                yield number, where, record
     except (gzip.BadGzipFile, EOFError, zlib.error) as err:
         raise DataError(
             f"{path}: unreadable gzip file ({_one_line(err)}); re-create or remove it"
         ) from None
+
+
+def _read_jsonl(path, text_key, on_bad_record, bad, part) -> Iterator[tuple[int, str]]:
+    for number, where, record in _jsonl_records(path, on_bad_record, bad, part):
+        text = _record_text(record, where, text_key, on_bad_record, bad)
+        if text is not None:
+            yield number, text
 
 
 def _parquet_column(file: pq.ParquetFile, path: Path, text_key: str) -> None:
@@ -362,15 +368,7 @@ def _records(
 ) -> Iterator[tuple[int, str, dict[str, Any]]]:
     """(number, where, record) of each readable record of a jsonl or parquet file."""
     if fmt != "parquet":
-        try:
-            for number, line in _jsonl_lines(path, part):
-                where = f"{path}:{number}"
-                if line.strip() and (record := _record(line, where, on_bad_record, bad)):
-                    yield number, where, record
-        except (gzip.BadGzipFile, EOFError, zlib.error) as err:
-            raise DataError(
-                f"{path}: unreadable gzip file ({_one_line(err)}); re-create or remove it"
-            ) from None
+        yield from _jsonl_records(path, on_bad_record, bad, part)
         return
     try:
         file = pq.ParquetFile(path)

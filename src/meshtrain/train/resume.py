@@ -33,9 +33,10 @@ def _compared(config: dict[str, Any], global_batch: int | None) -> dict[str, Any
     training data's validation fraction as it applies (none is held out of the training data
     where data.validation_paths is set)."""
     flat = flatten(config)
-    flat["training.global_batch_size"] = global_batch  # not compared where a checkpoint lacks it
-    if global_batch is None:
+    if global_batch is None:  # a checkpoint that lacks it: not compared
         del flat["training.global_batch_size"]
+    else:
+        flat["training.global_batch_size"] = global_batch
     if flat.get("data.validation_paths"):
         flat["data.validation_fraction"] = 0.0
     return flat
