@@ -24,6 +24,7 @@ class MeshtrainStep:
         import jax
 
         from meshtrain.data import BatchIterator
+        from meshtrain.inference.lora_base import load_frozen_base
         from meshtrain.train.batch import process_rows, to_global_array
         from meshtrain.train.optimizer import build_optimizer
         from meshtrain.train.setup import compile_train_step, prepare
@@ -36,7 +37,10 @@ class MeshtrainStep:
             start = time.perf_counter()
             self.compiled, batch_sharding = compile_train_step(setup, tx, shardings)
             self.compile_s = time.perf_counter() - start
-            self.state = create_train_state(cfg.model, tx, shardings, cfg.training.seed)
+            # LoRA: the frozen base (the seed's random one: no weights are read), then adapters.
+            frozen = load_frozen_base(cfg, setup.model) if setup.model.lora else None
+            seed = cfg.training.seed
+            self.state = create_train_state(cfg.model, tx, shardings, seed, frozen=frozen)
         batches = BatchIterator(
             setup.train_data,
             global_batch=setup.global_batch,

@@ -75,6 +75,8 @@ ACCELERATORS: dict[str, Accelerator] = {
         Accelerator(
             "b200", "NVIDIA B200 180GB", ("nvidia b200",), 2250e12, 1100e12, 179.0, (10, 0)
         ),
+        # The common 24 GB card of single-GPU fine-tuning (dense bf16 tensor rate).
+        Accelerator("l4", "NVIDIA L4 24GB", ("nvidia l4",), 121e12, 30.3e12, 22.5, (8, 9)),
         Accelerator("v4", "Google TPU v4", ("tpu v4",), 275e12, 275e12, 32.0),
         Accelerator("v5e", "Google TPU v5e", ("tpu v5 lite", "tpu v5e"), 197e12, 197e12, 16.0),
         Accelerator("v5p", "Google TPU v5p", ("tpu v5", "tpu v5p"), 459e12, 459e12, 95.0),

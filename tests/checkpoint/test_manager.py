@@ -24,7 +24,7 @@ from meshtrain.checkpoint import (
 from meshtrain.checkpoint.layout import fingerprints
 from meshtrain.data import BatchIterator
 from meshtrain.errors import ConfigError
-from meshtrain.train.initial_weights import check_initial_weights, load_initial_params
+from meshtrain.inference.initial_weights import check_initial_weights, load_initial_params
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.setup import prepare
 from meshtrain.train.state import (

@@ -15,6 +15,7 @@ COMMANDS = {
     "meshtrain-export": "meshtrain.cli.export:main",
     "meshtrain-launch": "meshtrain.cli.launch:main",
     "meshtrain-prepare": "meshtrain.data.prepare_command:main",
+    "meshtrain-eval": "meshtrain.cli.eval:main",
 }
 
 
@@ -32,6 +33,7 @@ def test_every_entry_point_is_a_console_script():
         ("meshtrain.generate", "usage: python -m meshtrain.generate"),
         ("meshtrain.export", "usage: python -m meshtrain.export"),
         ("meshtrain.data.prepare", "usage: python -m meshtrain.data.prepare"),
+        ("meshtrain.eval", "usage: python -m meshtrain.eval"),
     ],
 )
 def test_python_dash_m_forms_still_work(module, usage):
@@ -43,7 +45,14 @@ def test_python_dash_m_forms_still_work(module, usage):
 
 
 @pytest.mark.parametrize(
-    "script", ["meshtrain-launch", "meshtrain-generate", "meshtrain-export", "meshtrain-prepare"]
+    "script",
+    [
+        "meshtrain-launch",
+        "meshtrain-generate",
+        "meshtrain-export",
+        "meshtrain-prepare",
+        "meshtrain-eval",
+    ],
 )
 def test_console_scripts_name_themselves_in_their_usage(script):
     path = Path(sys.executable).parent / script

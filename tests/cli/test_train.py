@@ -90,6 +90,10 @@ from helpers.process import assert_one_line_error, run_training, subprocess_env
             "'data.paths=[corpus/*.jsonl]'",
         ),
         (
+            "model.mesh_shape=[[8,1],[fsdp,tp]] logging.trackers=[tensorboard,neptune]",
+            "logging.trackers: 'neptune' is not a tracker; use any of: tensorboard, wandb, mlflow",
+        ),
+        (
             "model.mesh_shape=[[8,1],[fsdp,tp]] data.source=web",
             "data.source='web' is not supported; use one of: text, prepared, synthetic",
         ),

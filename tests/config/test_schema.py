@@ -23,6 +23,7 @@ from meshtrain.config.schema import (
     RematPolicy,
     choices,
 )
+from meshtrain.config.trackers import LoggingConfig, MlflowConfig, WandbConfig
 from meshtrain.distributed.environment import CLUSTER_METHODS
 from meshtrain.hf.config_json import FAMILIES
 from meshtrain.models.transformer import LAYER_KINDS, REMAT_POLICIES
@@ -58,6 +59,9 @@ def _field_docs(cls) -> dict[str, str]:
         config_module.DistributedConfig,
         config_module.ProfileConfig,
         config_module.PlanConfig,
+        LoggingConfig,
+        WandbConfig,
+        MlflowConfig,
     ],
 )
 def test_every_field_has_a_one_line_doc(cls):
@@ -99,7 +103,7 @@ def test_the_default_groups_compose_to_the_schema_defaults():
     for section, cls in SCHEMAS.items():
         expected = {**dataclasses.asdict(cls()), **STDLIB_DIFFERS.get(section, {})}
         assert dataclasses.asdict(getattr(cfg, section)) == expected, section
-    for section in ("profile", "plan", "distributed"):
+    for section in ("profile", "plan", "distributed", "logging"):
         cls = type(getattr(Config(), section))
         assert dataclasses.asdict(getattr(cfg, section)) == dataclasses.asdict(cls()), section
 

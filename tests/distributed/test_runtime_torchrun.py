@@ -48,9 +48,12 @@ def torchrun_ports() -> int:
 
 
 def start(command: list[str], cwd: Path, devices: int, out: Path) -> subprocess.Popen:
-    """A command with `devices` faked CPU devices per process, its output into `out`."""
+    """A command with `devices` faked CPU devices per process, its output into `out`; with
+    OMP_NUM_THREADS=1, as docs/multi-node.md exports it (torchrun's own value, without its
+    banner)."""
     env = subprocess_env(devices)
     env.pop("MESHTRAIN_RUN_ID", None)
+    env["OMP_NUM_THREADS"] = "1"
     with out.open("w") as sink:
         return subprocess.Popen(
             command, cwd=cwd, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True
@@ -148,6 +151,9 @@ def test_the_design_docs_torchrun_command_matches_one_process(tmp_path):
         start([sys.executable, ENTRY, *args], tmp_path / "single", 8, tmp_path / "single.txt"),
     ]
     assert finish(*procs) == [0, 0], (tmp_path / "torchrun.txt").read_text()[-3000:]
+    # Quiet as meshtrain.launch: no Gloo line from the processes, no banner from torchrun.
+    output = (tmp_path / "torchrun.txt").read_text()
+    assert "[Gloo]" not in output and "Setting OMP_NUM_THREADS" not in output, output[-3000:]
     run_dir = only_run_dir(tmp_path / "torchrun")
     got, want = (
         losses(run_dir / "metrics.jsonl"),

@@ -81,7 +81,7 @@ def test_documented_command(command: Command, tmp_path: Path) -> None:
         assert (tmp_path / "plan.json").is_file(), describe(result)
         assert not (tmp_path / "metrics.jsonl").exists(), describe(result)
         return
-    check_metrics(tmp_path / "metrics.jsonl")
+    check_metrics(tmp_path / "metrics.jsonl", args if command.output else None)
 
 
 def test_parallelism_doc_examples() -> None:

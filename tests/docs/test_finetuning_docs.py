@@ -25,7 +25,7 @@ def runnable_lines() -> list[str]:
     return [line.strip() for b in blocks for line in b.lines if line.startswith("python ")]
 
 
-@pytest.mark.slow  # about 60 s: 600 + 100 + 20 steps, two generations, an export, a prepare
+@pytest.mark.slow  # about 90 s: 600 + 100 + 60 + 20 steps, 3 generations, 4 exports, a prepare
 def test_finetuning_doc_commands_run_in_order(tmp_path):
     for name in ("run_training.py", "configs", "examples", "tests"):
         (tmp_path / name).symlink_to(REPO / name)
@@ -41,7 +41,7 @@ def test_finetuning_doc_commands_run_in_order(tmp_path):
         )
         assert result.returncode == 0, f"{line}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
         outputs.append(result.stdout + result.stderr)
-    assert len(outputs) == 7
+    assert len(outputs) == 11
     out = tmp_path / "outputs"
     log = (out / "chat" / "train.log").read_text()
     assert "data: 264 training sequences (chat; document masking on)" in log
@@ -51,6 +51,14 @@ def test_finetuning_doc_commands_run_in_order(tmp_path):
     assert "chat_template" in json.loads((out / "chat_hf" / "tokenizer_config.json").read_text())
     losses = [json.loads(x)["loss"] for x in (out / "chat_more" / "metrics.jsonl").open()]
     assert losses[0] < 2.0  # from the fine-tuned weights, not from scratch (about 6.2)
+    # QLoRA on the export: the adapters train, the answer is a number, the exports load.
+    log = (out / "chat_qlora" / "train.log").read_text()
+    lora_line = next(line for line in log.splitlines() if "LoRA: rank 8" in line)
+    assert lora_line.split("setup: ", 1)[1] in DOC.read_text().replace("\n", " ")
+    assert outputs[6].strip().splitlines()[-1].isdigit()
+    adapter = json.loads((out / "chat_qlora_peft" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"]) == (8, 16)
+    assert (out / "chat_qlora_merged" / "model.safetensors").is_file()
     assert json.loads((out / "chat_prepared" / "manifest.json").read_text())["chat"] is not None
     assert committed_steps(out / "chat_from_prepared" / "checkpoints") == [20]
 

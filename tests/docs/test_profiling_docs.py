@@ -26,7 +26,8 @@ def is_slow(line: str) -> bool:
     seconds. A compile for a GPU target needs the gpu-compile extra, installed for the slow set."""
     large = "model=gemma3_27b" in line or "model=llama3_8b" in line
     gpu_compile = "plan.target=" in line and "training.dry_run=true" in line
-    return gpu_compile or (large and "model.scan_layers=true" not in line)
+    trackers = "logging.trackers=" in line  # tests/observe/test_trackers.py runs them by default
+    return gpu_compile or trackers or (large and "model.scan_layers=true" not in line)
 
 
 PLAN_KEYS = {
@@ -54,6 +55,9 @@ def test_the_docs_hold_commands():
 @pytest.mark.parametrize("command", COMMANDS)
 def test_documented_command(command, tmp_path: Path) -> None:
     env_vars, args = parse(command.line)
+    if "logging.trackers=" in command.line:  # W&B and MLflow: the trackers extra
+        pytest.importorskip("wandb")
+        pytest.importorskip("mlflow")
     result = run_training_command(command, env_vars, args, tmp_path)
     if result is None:
         return
@@ -79,7 +83,10 @@ def test_documented_command(command, tmp_path: Path) -> None:
             assert report["attention"].startswith("cudnn (auto: NVIDIA"), report
             assert report["step"]["cudnn_attention_calls"] > 0, report
     else:
-        check_metrics(tmp_path / "metrics.jsonl")
+        check_metrics(tmp_path / "metrics.jsonl", args if command.output else None)
+    if "logging.trackers=" in command.line:  # offline: W&B's run and MLflow's database are here
+        assert (tmp_path / "mlflow.db").is_file()
+        assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb")), describe(result)
     if "training.profile=true" in args:
         assert find_trace(tmp_path / "profile") is not None
     if "training.profile_communication=true" in args:

@@ -2,7 +2,9 @@
 their bash blocks, and those commands run (shortened to 3 steps) with the documented outcome.
 
 A command whose bash block is followed by a ```text block starting with `meshtrain: error:` is
-an error example: it must exit with code 2 and print that text as the last line of stderr.
+an error example: it must exit with code 2 and print that text as the last line of stderr. A
+command whose output a checked block shows (helpers.doc_outputs) runs as written, unshortened,
+and must print what the block shows.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ import shlex
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from helpers.paths import REPO
 from helpers.process import FAST_COMPILE, run_training, subprocess_env
+
+if TYPE_CHECKING:
+    from helpers.doc_outputs import OutputBlock
 
 ENTRY = "python run_training.py"
 ERROR_PREFIX = "meshtrain: error:"
@@ -42,6 +48,7 @@ class Command:
     lineno: int
     line: str
     expected_error: str | None  # the documented last stderr line, for error examples
+    output: OutputBlock | None = None  # the checked block that shows its output
 
 
 def fenced_blocks(text: str) -> list[Block]:
@@ -60,7 +67,11 @@ def fenced_blocks(text: str) -> list[Block]:
 
 
 def doc_commands(doc: str) -> list[Command]:
-    blocks = fenced_blocks((REPO / doc).read_text())
+    from helpers.doc_outputs import checked_block
+
+    text = (REPO / doc).read_text()
+    blocks = fenced_blocks(text)
+    lines = text.splitlines()
     commands = []
     for i, block in enumerate(blocks):
         if block.lang != "bash":
@@ -72,12 +83,15 @@ def doc_commands(doc: str) -> list[Command]:
             and after.lang == "text"
             and len(documented) == 1
             and documented[0].startswith(ERROR_PREFIX)
+            # an error line marked as an illustration is not this command's
+            and not lines[after.lineno - 3].startswith("<!-- output:")
         )
         for offset, line in enumerate(block.lines):
             if ENTRY not in line or (doc == "README.md" and "pip install" in line):
                 continue
             expected = documented[0] if is_error else None
-            commands.append(Command(doc, block.lineno + offset, line.strip(), expected))
+            output = checked_block(doc, line)
+            commands.append(Command(doc, block.lineno + offset, line.strip(), expected, output))
     return commands
 
 
@@ -89,7 +103,8 @@ def parse(line: str) -> tuple[dict[str, str], list[str]]:
     while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
         name, value = words.pop(0).split("=", 1)
         env[name] = value
-    assert set(env) <= {"XLA_FLAGS"}, f"only XLA_FLAGS may prefix a documented command: {env}"
+    allowed = {"XLA_FLAGS", "WANDB_MODE"}
+    assert set(env) <= allowed, f"only {sorted(allowed)} may prefix a documented command: {env}"
     assert words[:2] == ["python", "run_training.py"], f"not a `{ENTRY}` command: {line}"
     return env, words[2:]
 
@@ -100,12 +115,24 @@ def run(env_vars: dict[str, str], args: list[str]) -> subprocess.CompletedProces
     env = subprocess_env(int(match.group(1)) if match else 1)
     if "XLA_FLAGS" in env_vars:  # the documented device count, compiled as every test compiles
         env["XLA_FLAGS"] = f"{FAST_COMPILE} {env_vars['XLA_FLAGS']}"
+    env.update({k: v for k, v in env_vars.items() if k != "XLA_FLAGS"})
     return run_training(*args, env=env, timeout=600)
 
 
-def check_metrics(path: Path) -> None:
+def logged_steps(args: list[str] | None = None) -> list[int]:
+    """The steps a run logs: every step of a shortened run (RUN_OVERRIDES), else step 1, every
+    training.log_every steps and the last (`args`: a command run as written)."""
+    if args is None:
+        return list(range(1, STEPS + 1))
+    values = dict(a.split("=", 1) for a in args if a.startswith("training."))
+    steps, every = int(values.get("training.steps", 200)), int(values.get("training.log_every", 10))
+    return sorted({1, steps, *range(every, steps + 1, every)})
+
+
+def check_metrics(path: Path, args: list[str] | None = None) -> None:
+    """metrics.jsonl holds finite losses at the logged steps (`args`: of a run as written)."""
     records = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in records] == logged_steps(args)
     assert all(math.isfinite(r["loss"]) for r in records), records
 
 
@@ -117,11 +144,22 @@ def run_training_command(
     command: Command, env_vars: dict[str, str], args: list[str], run_dir: Path
 ) -> subprocess.CompletedProcess[str] | None:
     """Runs a documented training command (shortened) in `run_dir`; an error example is checked
-    here (exit code 2 and the documented line) and gives None, any other run must succeed."""
-    result = run(env_vars, [*args, *RUN_OVERRIDES, f"hydra.run.dir={run_dir}"])
+    here (exit code 2 and the documented line) and gives None, any other run must succeed. A
+    command whose output a checked block shows runs as written and must print it."""
+    from helpers.doc_outputs import check_output
+
+    shortened = [] if command.output is not None else list(RUN_OVERRIDES)
+    result = run(env_vars, [*args, *shortened, f"hydra.run.dir={run_dir}"])
     if command.expected_error is not None:
         assert result.returncode == 2, describe(result)
         assert result.stderr.strip().splitlines()[-1] == command.expected_error, describe(result)
         return None
     assert result.returncode == 0, describe(result)
+    if command.output is not None:
+        problems = check_output(command.output, result.stderr + "\n" + result.stdout)
+        assert not problems, (
+            f"{command.doc}:{command.output.block.lineno} shows another output than the command "
+            "prints; if the change is meant, run `python scripts/regenerate_docs.py "
+            f"{command.doc}`:\n" + "\n".join(problems)
+        )
     return result

@@ -69,10 +69,18 @@ def test_the_same_values_as_the_whole_model_in_its_shardings(case):
 
 def test_draw_order_of_a_block():
     """Seven random draws per block (q, k, v, o, gate, up, down: norms start constant); the
-    blocks follow the embedding's draw 0 and precede an untied head's."""
+    blocks follow the embedding's draw 0 and precede an untied head's. LoRA's A matrices draw
+    from their own stream (one per adapter): the base's draws stay where they were."""
     cfg = compose_config().model
-    assert draws_per_block(cfg) == 7
-    assert first_draws(dataclasses.replace(cfg, num_layers=3)).tolist() == [1, 8, 15]
+    assert draws_per_block(cfg) == (7, 0)
+    assert first_draws(dataclasses.replace(cfg, num_layers=3)).tolist() == [[1, 0], [8, 0], [15, 0]]
+    lora = compose_config("model.lora.rank=4", "model.lora.targets=[q,v,down]").model
+    assert draws_per_block(lora) == (7, 3)
+    assert first_draws(dataclasses.replace(lora, num_layers=3)).tolist() == [
+        [1, 0],
+        [8, 3],
+        [15, 6],
+    ]
 
 
 @pytest.mark.slow  # compiles four initialisations

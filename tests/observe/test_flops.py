@@ -43,6 +43,18 @@ def test_hand_count_of_a_small_model():
     assert train_flops_per_step(small_config(), seq_len=4, sequences=5) == 5 * 35712
 
 
+def test_lora_counts_its_adapters_and_no_gradient_for_the_frozen_weights():
+    from meshtrain.config.lora import LoraConfig
+
+    cfg = small_config(lora=LoraConfig(rank=2, targets=["q", "down"]))
+    count = forward_flops(cfg, seq_len=4)
+    # Per token and layer: q's adapter 2·r·(D + N·H) = 64, down's 2·r·(F + D) = 96.
+    assert count.adapters == (64 + 96) * 4 * 2 == 1280
+    assert count.forward == 11904 + 1280
+    # The weights: forward and the activations' gradient; attention and adapters 3×.
+    assert count.train == 2 * (3072 + 6144 + 2048) + 3 * (640 + 1280) == 28288
+
+
 def test_reduces_to_six_n_plus_attention():
     """Kaplan's 6·N per token, N the matmul parameters (the output projection included, the
     embedding lookup not), plus 3× the causal attention term."""

@@ -150,3 +150,44 @@ def test_a_large_model_plans_without_its_weights_in_memory(tmp_path):
     assert plan["opt_state_bytes"] == 2 * plan["params_bytes"] + ADAM_COUNTERS
     assert peak_rss < 0.05 * weights, f"peak RSS {peak_rss / GIB:.2f} GiB"
     assert plan["fits"] is True  # 32.9 GiB of an H100's 71.6 usable, with remat
+
+
+def test_lora_plans_the_frozen_base_at_its_storage_and_what_it_saves(run_dir):
+    """On fsdp=4 × tp=2: the adapters and their two moments as trainable state; the nf4 base as
+    0.5 byte per projection weight plus an fp32 absmax per block of 16, the embedding and norms
+    in fp32; and full fine-tuning's 16 bytes per parameter beside it."""
+    lora = ("model.lora.rank=4", "model.lora.targets=[q,k,v,o,gate,up,down]")
+    cfg = compose_config(
+        "model.mesh_shape=[[4,2],[fsdp,tp]]",
+        "training.micro_batch_size=2",
+        *lora,
+        "model.lora.base_dtype=nf4",
+        "model.lora.quant_block=16",
+    )
+    plan = dry_run(cfg, run_dir, devices=jax.devices()[:8])
+    projections = MATRIX_PARAMS - 384 * 128  # every weight but the embedding: all quantised
+    nf4 = projections // 2 + 4 * projections // 16
+    assert plan.frozen_bytes == (nf4 + 4 * 384 * 128) // 8 + F32 * NORM_PARAMS
+    # Full fine-tuning: weights, gradients and two moments of every parameter (the adapters'
+    # share per device is the plan's parameters).
+    every = F32 * (MATRIX_PARAMS // 8 + NORM_PARAMS) + plan.params_bytes
+    assert plan.lora["full_finetune_state_bytes"] == 4 * every
+    assert plan.lora["lora_state_bytes"] == plan.frozen_bytes + 2 * plan.params_bytes + (
+        plan.opt_state_bytes
+    )
+    full = dry_run(
+        compose_config("model.mesh_shape=[[4,2],[fsdp,tp]]", "training.micro_batch_size=2"),
+        run_dir / "full",
+        devices=jax.devices()[:8],
+    )
+    state = lambda p: p.params_bytes + p.grad_bytes + p.opt_state_bytes + p.frozen_bytes  # noqa: E731
+    # The tiny model's embedding is half its weights and stays fp32: 2.6× less state here.
+    assert state(full) / state(plan) >= 2.5
+    assert full.argument_bytes - plan.argument_bytes >= 0.9 * (
+        full.params_bytes
+        + full.opt_state_bytes
+        - plan.frozen_bytes
+        - plan.params_bytes
+        - plan.opt_state_bytes
+    )
+    assert "frozen base" in " ".join(plan.format())

@@ -16,10 +16,11 @@ import pytest
 
 from meshtrain.observe import metrics
 from meshtrain.observe.metrics import MetricsWriter, setup_logging
+from meshtrain.observe.tensorboard import import_summary_writer
 
 # tensorboardX's package imports torch where it is installed; meshtrain loads it without (and so
 # must the default tests: tests/conftest.py checks that they import no torch).
-metrics._import_summary_writer()
+import_summary_writer()
 from tensorboardX.proto.event_pb2 import Event, SessionLog  # noqa: E402
 from tensorboardX.record_writer import masked_crc32c  # noqa: E402
 

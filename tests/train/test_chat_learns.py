@@ -164,3 +164,59 @@ def test_the_init_from_placeholder_stops_a_run_that_does_not_set_it(tmp_path):
             f"data.paths=[{chats}]",
             "data.cache_dir=null",
         )
+
+
+@pytest.fixture(scope="module")
+def copying_base(tmp_path_factory):
+    """A tiny model fully fine-tuned from a random init to repeat 3 to 7 digits ("copy: 4817"
+    → "4817"): a base that knows the digits, on which adapters learn to reverse them."""
+    rng = np.random.default_rng(1)
+    root = tmp_path_factory.mktemp("copying")
+    with (root / "copy.jsonl").open("w") as file:
+        for _ in range(TRAIN):
+            word = "".join(rng.choice(DIGITS, int(rng.integers(3, 8))))
+            messages = [
+                {"role": "user", "content": f"copy: {word}"},
+                {"role": "assistant", "content": word},
+            ]
+            file.write(json.dumps({"messages": messages}) + "\n")
+    train_tiny(root / "run", *RUN, f"data.paths=[{root / 'copy.jsonl'}]", devices=1)
+    return root / "run" / "checkpoints"
+
+
+@pytest.mark.slow  # about 100 s: two LoRA runs of 120 steps and 200 answers, on a trained base
+def test_lora_and_qlora_adapters_learn_a_new_task_on_a_frozen_base(
+    reversal, copying_base, tmp_path, capsys
+):
+    """Only rank-16 adapters train, on a frozen base that learned to copy digits: in fp32 and on
+    the same base quantised to nf4, both learn to reverse them (the base alone copies)."""
+    data, held_out = reversal
+    lora = (
+        f"checkpoint.load_params={copying_base}",
+        "model.lora.rank=16",
+        "model.lora.alpha=32",
+        "training.learning_rate=1e-2",
+    )
+    runs = {
+        "LoRA": fine_tune_and_ask(tmp_path / "lora", data, held_out, *lora),
+        "QLoRA nf4": fine_tune_and_ask(
+            tmp_path / "qlora",
+            data,
+            held_out,
+            *lora,
+            "model.lora.base_dtype=nf4",
+            "model.lora.quant_block=16",
+        ),
+    }
+    with capsys.disabled():
+        for name, run in runs.items():
+            print(
+                f"\n{name}: {run['accuracy']:.0%} of {len(held_out)} held-out prompts exact "
+                f"after {STEPS} steps (last loss {run['loss']:.4f}); " + "; ".join(run["examples"])
+            )
+    assert runs["LoRA"]["accuracy"] >= 0.9, runs["LoRA"]
+    assert runs["QLoRA nf4"]["accuracy"] >= 0.9, runs["QLoRA nf4"]
+    base, encoder = load_model(copying_base), build_chat_encoder(str(GEMMA))
+    asked = [[{"role": "user", "content": prompt(w)}] for w in held_out[:20]]
+    base_answers = [generate_chat(base, encoder, messages, 12) for messages in asked]
+    assert sum(a == answer(w) for a, w in zip(base_answers, held_out, strict=False)) <= 2

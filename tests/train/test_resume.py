@@ -78,11 +78,13 @@ REFUSED = {
     *(f"data.mixture[{i}].{k}" for i in (0, 1) for k in ("name", "paths", "weight")),
     "training.seed",
     "training.global_batch_size",
+    *(f"model.lora.{k}" for k in ("rank", "alpha", "targets", "base_dtype", "quant_block")),
 }
-IGNORED_PREFIXES = ("checkpoint.", "profile.", "plan.", "experiment.", "distributed.")
+IGNORED_PREFIXES = ("checkpoint.", "profile.", "plan.", "experiment.", "distributed.", "logging.")
 IGNORED = {
     "model.init_std",
     "model.init_from",
+    "model.lora.init_from",
     "data.workers",
     "data.cache_dir",
     "data.verify",

@@ -13,7 +13,7 @@ Leaving the `with` block waits until the last asynchronous write has committed.
 
 Where a run resumes from (checkpoint.resume):
   - auto: the newest readable checkpoint in checkpoint.dir; if there is none, `init()` (a fresh
-    state, or one around checkpoint.load_params: meshtrain.train.initial_weights). A damaged
+    state, or one around checkpoint.load_params: meshtrain.inference.initial_weights). A damaged
     newest checkpoint is reported, moved aside to `<step>.corrupted` (never deleted) and the
     previous one is used.
   - never: `init()`; refuses a checkpoint.dir that already holds checkpoints unless
@@ -228,7 +228,11 @@ class RunCheckpoints:
 
 
 def read_newest(
-    candidates: Sequence[Path], read: Callable[[Path], Any], *, key: str, own_directory: Path
+    candidates: Sequence[Path],
+    read: Callable[[Path], Any],
+    *,
+    key: str,
+    own_directory: Path | None,
 ) -> tuple[Any, Path]:
     """read(path) of the newest candidate that reads back intact. Damaged ones newer than it in
     `own_directory` (this run's) are then moved aside, so new saves can reuse their steps; if

@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from meshtrain.cli.exit import EXIT_CHECKPOINT_WRITE, EXIT_NONFINITE, fail, fail_now
+from meshtrain.config.caches import AUTO_CACHE, cache_dir
 from meshtrain.config.hydra import (
     list_entry_keys,
     register_configs,
@@ -39,7 +40,6 @@ from meshtrain.config.hydra import (
     unknown_entry_key_message,
     unknown_key_message,
 )
-from meshtrain.config.schema import AUTO_CACHE, cache_dir
 from meshtrain.distributed.environment import register_run_dir_resolvers
 from meshtrain.distributed.xla_flags import merge_xla_flags
 from meshtrain.errors import ConfigError, DistributedError, did_you_mean

@@ -88,3 +88,8 @@ def to_config(cfg: DictConfig) -> Config:
     if not isinstance(obj, Config):
         obj = Config(**{k: v for k, v in obj.items() if k in Config.__dataclass_fields__})
     return obj
+
+
+def config_from_dict(saved: dict[str, Any]) -> Config:
+    """The typed Config of a resolved config saved as a dict (a checkpoint's meta/config)."""
+    return to_config(OmegaConf.merge(OmegaConf.structured(Config), saved))

@@ -28,6 +28,12 @@ def check_pipeline(cfg: Config, mesh: MeshSpec, micro_batch: int) -> None:
     model, pipeline = cfg.model, cfg.training.pipeline
     stages = mesh.sizes["pp"]
     require(
+        model.lora.rank == 0 or model.lora.dropout == 0,
+        f"model.lora.dropout={model.lora.dropout} with pp={stages} in model.mesh_shape: the "
+        "pipeline stages do not draw adapter dropout; drop model.lora.dropout, or train on a "
+        "mesh without pp (fsdp, tp and dp all support it)",
+    )
+    require(
         model.scan_layers is not False,
         f"model.scan_layers=false with pp={stages} in model.mesh_shape: pipeline stages hold "
         "slices of the stacked blocks; remove model.scan_layers=false (pp meshes turn it on)",

@@ -49,6 +49,12 @@ REFUSED = (
     "model.scale_embeddings",
     "model.query_pre_attn_scalar",
     "model.scan_layers",
+    "model.lora.rank",
+    "model.lora.alpha",
+    "model.lora.targets",
+    "model.lora.base_dtype",
+    "model.lora.quant_block",
+    "model.lora.base",  # the frozen base's identity (inference.lora_base: the caller puts it here)
     "data.source",
     "data.paths",
     "data.path",
@@ -77,6 +83,7 @@ ALLOWED = (
     "model.remat",
     "model.attention",
     "model.pipeline",
+    "model.lora.dropout",
     "data.validation_paths",
     "training.steps",
     "training.micro_batch_size",
@@ -98,10 +105,12 @@ ALLOWED = (
     "training.eval_batches",
     "training.nonfinite",
     "training.pipeline",
+    "eval",
 )
 IGNORED = (
     "model.init_std",  # a resumed run is not initialised
-    "model.init_from",
+    "model.init_from",  # a LoRA run's base is compared by content as model.lora.base
+    "model.lora.init_from",
     "data.workers",
     "data.cache_dir",
     "data.verify",
@@ -115,6 +124,7 @@ IGNORED = (
     "plan",
     "experiment",
     "distributed",
+    "logging",  # where the metrics go (trackers), not what the run computes
 )
 _INDEX = re.compile(r"\[\d+\]")
 
@@ -200,14 +210,21 @@ def compare(
     return changes
 
 
-def refusal(changes: Sequence[Change], checkpoint: str) -> str:
-    """The one line that refuses the REFUSED changes of a resume from `checkpoint`."""
+def refusal(changes: Sequence[Change], checkpoint: str, *, adapters: bool = False) -> str:
+    """The one line that refuses the REFUSED changes of a resume from `checkpoint` (a LoRA
+    run's, holding adapters, with `adapters`)."""
     refused = [c for c in changes if c.refused]
     keys = ",".join(dict.fromkeys(_INDEX.sub("", c.key) for c in refused))
+    fresh = (
+        f"start new adapters from these in a new run directory (meshtrain-export {checkpoint} "
+        "DIR --format peft, then model.lora.init_from=peft:DIR)"
+        if adapters
+        else f"start fresh from these weights in a new run directory with "
+        f"checkpoint.load_params={checkpoint}"
+    )
     return (
         f"checkpoint {checkpoint} cannot be continued with this config: "
         f"{'; '.join(map(str, refused))}; put the old value back, start a new run directory "
-        f"(hydra.run.dir=...), start fresh from these weights in a new run directory with "
-        f"checkpoint.load_params={checkpoint}, or accept the change on purpose with "
+        f"(hydra.run.dir=...), {fresh}, or accept the change on purpose with "
         f"checkpoint.allow_changes=[{keys}]"
     )

@@ -12,10 +12,13 @@ OmegaConf 2.3 does not accept `Literal` annotations, so those fields are typed `
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, get_args
+
+from meshtrain.config.caches import AUTO_CACHE
+from meshtrain.config.evaluation import EvalConfig
+from meshtrain.config.lora import LoraConfig
+from meshtrain.config.trackers import LoggingConfig
 
 Activation = Literal["silu", "gelu"]
 """model.mlp_activation: SwiGLU or GeGLU."""
@@ -61,30 +64,6 @@ def choices(literal: Any) -> tuple[str, ...]:
     return get_args(literal)
 
 
-AUTO_CACHE = "auto"
-"""The value of a cache-directory key (training.compilation_cache_dir, data.cache_dir) that puts
-the cache under cache_root(); null turns that cache off; any other value is its directory."""
-CACHE_ROOT_ENV = "MESHTRAIN_CACHE_DIR"
-
-
-def cache_root() -> Path:
-    """Root of meshtrain's caches on this machine (the compilation cache, packed corpora, the
-    measured CPU peak): $MESHTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/meshtrain, else
-    ~/.cache/meshtrain. Everything in it can be deleted at any time."""
-    if os.environ.get(CACHE_ROOT_ENV):
-        return Path(os.environ[CACHE_ROOT_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "meshtrain"
-
-
-def cache_dir(value: str | None, name: str) -> Path | None:
-    """The directory a cache-directory key names: "auto" → cache_root()/name, null → None (that
-    cache is off), anything else → that path (~ expanded)."""
-    if value is None:
-        return None
-    return cache_root() / name if value == AUTO_CACHE else Path(value).expanduser()
-
-
 # Logical axis name → mesh axes (None: replicated). Megatron-style: heads and the MLP hidden
 # size on tp, the model dimension on fsdp, the batch on every batch-sharding axis.
 DEFAULT_LOGICAL_AXIS_RULES: dict[str, Any] = {
@@ -98,6 +77,7 @@ DEFAULT_LOGICAL_AXIS_RULES: dict[str, Any] = {
     "mlp": "tp",
     "norm": None,
     "layers": "pp",  # stacked blocks (model.scan_layers): each pipeline stage holds its own
+    "lora_rank": None,  # the rank axis of LoRA adapters (model.lora): small, replicated
 }
 
 
@@ -183,6 +163,14 @@ class ModelConfig:
     """hf:/path/to/dir: start from a local Hugging Face checkpoint; null: random init."""
     pipeline: StageLayout = field(default_factory=StageLayout)
     """Stages of a pp mesh axis (docs/parallelism.md#pipeline-parallelism)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters on a frozen base, QLoRA (docs/finetuning.md#lora-and-qlora)."""
+
+    def __post_init__(self) -> None:  # built from a saved config's dicts (checkpoint meta/)
+        if isinstance(self.lora, dict):
+            self.lora = LoraConfig(**self.lora)
+        if isinstance(self.pipeline, dict):
+            self.pipeline = StageLayout(**self.pipeline)
 
 
 @dataclass
@@ -390,3 +378,5 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)

@@ -9,6 +9,8 @@ are opened, still before anything compiles: `meshtrain.train.setup.prepare` call
 from __future__ import annotations
 
 from meshtrain.accelerators import accelerator_named
+from meshtrain.config.evaluation import check_eval
+from meshtrain.config.lora import check_lora
 from meshtrain.config.pipeline import check_pipeline
 from meshtrain.config.resume import check_allow_changes
 from meshtrain.config.schema import (
@@ -35,6 +37,7 @@ from meshtrain.config.schema import (
     TrainOn,
     choices,
 )
+from meshtrain.config.trackers import check_logging
 from meshtrain.errors import ConfigError, require
 from meshtrain.parallel.mesh import MeshSpec
 from meshtrain.parallel.rules import check_rules, mesh_axes_for
@@ -122,6 +125,8 @@ def _check_data(data: DataConfig) -> None:
 
 def check_config(cfg: Config) -> None:
     model, data, training = cfg.model, cfg.data, cfg.training
+    check_lora(model)
+    check_eval(cfg.eval)
     for key in (
         "vocab_size",
         "d_model",
@@ -238,6 +243,7 @@ def check_config(cfg: Config) -> None:
             "drop plan.fake_devices",
         )
     _check_checkpoint(cfg.checkpoint)
+    check_logging(cfg.logging)
 
 
 def _check_model_flavour(cfg: Config) -> None:

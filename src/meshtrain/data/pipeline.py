@@ -10,7 +10,7 @@ from typing import Protocol
 import numpy as np
 
 from meshtrain.config import DataConfig
-from meshtrain.config.schema import cache_dir
+from meshtrain.config.caches import cache_dir
 from meshtrain.data.chat_data import chat_options
 from meshtrain.data.conversations import PackedConversations
 from meshtrain.data.corpus_cache import tokenised_corpus

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import queue
-import re
 import select
 import shutil
 import signal
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from meshtrain.distributed.environment import RUN_ID_VAR, TORCHRUN_VARS, env_int
+from meshtrain.distributed.quiet_output import FILTERED_VAR, GLOO_CHATTER
 from meshtrain.distributed.xla_flags import (
     with_cpu_collective_timeouts,
     without_fake_device_count,
@@ -147,6 +147,7 @@ def process_env(
         LOCAL_WORLD_SIZE=str(nprocs),
         PYTHONUNBUFFERED="1",  # lines arrive as they are printed, not when a buffer fills
     )
+    env[FILTERED_VAR] = "1"  # the launcher hides Gloo's lines (_Pump); the process need not
     env[RUN_ID_VAR] = run_id
     if platform == "cpu":
         flags = without_fake_device_count(env.get("XLA_FLAGS", ""))
@@ -171,15 +172,6 @@ def describe_exit(code: int) -> str:
 def shell_exit_code(code: int) -> int:
     """A child's return code as a shell reports it: 128 + N for a process killed by signal N."""
     return 128 - code if code < 0 else code
-
-
-# Gloo's connection report, one per process and peer group at start-up, e.g. "[Gloo] Rank 1 is
-# connected to 3 peer ranks. Expected number of connected peer ranks is : 3". It is written
-# from C++ and may land inside another line of the same process.
-GLOO_CHATTER = re.compile(
-    rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
-    rb"Expected number of connected peer ranks is : \d+\n?"
-)
 
 
 _OUTPUT = threading.Lock()  # whole lines, from the ranks' pumps and from the launcher itself

@@ -38,6 +38,7 @@ from meshtrain.distributed.environment import (
     resolve_process_spec,
     torchrun_agent_argv,
 )
+from meshtrain.distributed.quiet_output import hide_gloo_chatter, restore_output
 from meshtrain.distributed.rendezvous import SETTLE_S, Roster, roll_call
 from meshtrain.errors import ConfigError, DistributedError, error_line
 from meshtrain.observe.metrics import setup_logging
@@ -66,6 +67,7 @@ def deadline(seconds: float, message: str) -> Iterator[None]:
 
     def expire() -> None:
         _report(message)
+        restore_output()
         os._exit(DistributedError.exit_code)
 
     timer = threading.Timer(seconds, expire)
@@ -97,7 +99,7 @@ def _stop_because(code: int, text: str) -> None:
     from the main thread whose error was only a consequence)."""
     with _stopping:  # the first caller reports and exits; a second one waits for that
         _report(f"{text}; stopping process {_membership.roster.process_id} too")
-        sys.stdout.flush()
+        restore_output()  # flushes stdout, and the Gloo filter passes the rest on first
         os._exit(code)
 
 
@@ -113,7 +115,7 @@ def _leave() -> None:
     if roster is not None and roster.process_id == 0:
         roster.wait_until_closed(SETTLE_S)  # the others hear of the failure before process 0 goes
     logging.shutdown()
-    sys.stdout.flush()
+    restore_output()  # flushes stdout, and the Gloo filter passes the rest on first
     sys.stderr.flush()
     os._exit(_membership.failed_code)
 
@@ -134,6 +136,9 @@ def initialize(
         raise ConfigError(f"distributed.timeout_s={cfg.timeout_s} must be at least 1, e.g. 300")
     # CPU devices of different processes talk through gloo over TCP (JAX's default has none).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Gloo prints a line per group it connects; meshtrain.launch hides them, and so does this
+    # process where another launcher (torchrun, srun) started it.
+    hide_gloo_chatter()
     # JAX logs its connection steps at INFO on the root logger (as "[HYDRA]" lines, through
     # Hydra's handler); join_run logs one line of its own instead.
     logging.getLogger("jax._src.distributed").setLevel(logging.WARNING)

@@ -22,7 +22,7 @@ from meshtrain.config import ModelConfig
 from meshtrain.errors import ConfigError
 from meshtrain.hf.config_json import check_matches, read_config_json
 from meshtrain.hf.safetensors_io import CheckpointReader
-from meshtrain.hf.tensor_map import MODEL_PREFIXES, Layout, ParamPath, hf_tensors, layer_tensors
+from meshtrain.hf.tensor_map import MODEL_PREFIXES, Layout, ParamPath, hf_tensors
 from meshtrain.models.transformer import Transformer
 
 HF_SCHEME = "hf:"
@@ -58,7 +58,7 @@ def resolve_tensors(
     return hf_tensors(cfg, prefix)
 
 
-def _unstacked_shapes(cfg: ModelConfig) -> dict[ParamPath, tuple[int, ...]]:
+def unstacked_shapes(cfg: ModelConfig) -> dict[ParamPath, tuple[int, ...]]:
     """Shape of every parameter in the layout with one entry per layer. Every block has the
     same shapes, so a one-block abstract model (no memory, and fast at any depth) tells them."""
     one_block = dataclasses.replace(cfg, scan_layers=False, num_layers=1)
@@ -79,7 +79,7 @@ def check_init_from(cfg: ModelConfig) -> None:
     check_matches(cfg, read_config_json(directory), source)
     reader = CheckpointReader(directory)
     names = reader.names()
-    shapes = _unstacked_shapes(cfg)
+    shapes = unstacked_shapes(cfg)
     for path, (name, layout) in resolve_tensors(cfg, reader).items():
         if name not in names:
             raise ConfigError(
@@ -136,7 +136,20 @@ def load_params(
     """The parameters (nested dict like `abstract_params`) read from the checkpoint in
     `directory`, each array created in its sharding from `shardings`."""
     reader = CheckpointReader(directory)
-    tensors = resolve_tensors(cfg, reader)
+    return read_params(reader, resolve_tensors(cfg, reader), cfg, abstract_params, shardings, dtype)
+
+
+def read_params(
+    reader: CheckpointReader,
+    tensors: dict[ParamPath, tuple[str, Layout]],
+    cfg: ModelConfig,
+    abstract_params: Any,
+    shardings: Any,
+    dtype: jnp.dtype = jnp.float32,
+) -> Any:
+    """The parameters `tensors` names (our unstacked path → tensor name, layout) read from
+    `reader` into a nested dict like `abstract_params`, in `shardings`; with scan_layers the
+    layers' tensors stacked on the devices."""
     params = jax.tree.map(lambda leaf: leaf, abstract_params)  # same structure, to fill in
     for path, (name, layout) in tensors.items():
         if cfg.scan_layers and path[0] == "blocks":
@@ -144,7 +157,8 @@ def load_params(
         shape = _get(abstract_params, path).shape
         _set(params, path, _read_sharded(reader, name, layout, shape, _get(shardings, path), dtype))
     if cfg.scan_layers:
-        for inner, (_, layout) in layer_tensors(cfg).items():
+        for first in [path for path in tensors if path[:2] == ("blocks", 0)]:
+            inner, layout = first[2:], tensors[first][1]
             path = ("blocks", *inner)
             stacked_shape, sharding = _get(abstract_params, path).shape, _get(shardings, path)
             # One layer's slice of the stacked sharding: the same spec without the layers axis.

@@ -28,14 +28,14 @@ from meshtrain.hf.tensor_map import ParamPath, hf_tensors
 DEFAULT_SHARD_BYTES = 4 * 2**30
 
 
-def _gather(array: jax.Array) -> np.ndarray:
+def gather(array: jax.Array) -> np.ndarray:
     """The whole array on this host (all processes must call this together when multi-process)."""
     if array.is_fully_addressable:
         return np.asarray(jax.device_get(array))
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
-def _locate(params: Any, path: ParamPath, scan_layers: bool) -> tuple[jax.Array, int | None]:
+def locate(params: Any, path: ParamPath, scan_layers: bool) -> tuple[jax.Array, int | None]:
     """The array holding our parameter `path` (unstacked layout), and its layer in the stack
     when scan_layers stacked the blocks (else None)."""
     layer = None
@@ -89,7 +89,7 @@ def export_hf(
     tensors = list(hf_tensors(model_cfg).items())
     shapes = []
     for path, (_, layout) in tensors:
-        array, layer = _locate(params, path, model_cfg.scan_layers)
+        array, layer = locate(params, path, model_cfg.scan_layers)
         shapes.append(layout.hf_shape(array.shape if layer is None else array.shape[1:]))
     itemsize = DTYPES[dtype][1].itemsize
     sizes = [int(np.prod(s, dtype=np.int64)) * itemsize for s in shapes]
@@ -107,8 +107,8 @@ def export_hf(
 
     def produce(name: str) -> np.ndarray:
         path, (_, layout) = tensors[index_of[name]]
-        array, layer = _locate(params, path, model_cfg.scan_layers)
-        return layout.to_hf(_gather(array if layer is None else array[layer]))
+        array, layer = locate(params, path, model_cfg.scan_layers)
+        return layout.to_hf(gather(array if layer is None else array[layer]))
 
     index_of = {name: i for i, (_, (name, _)) in enumerate(tensors)}
     for file, members in zip(names, files, strict=True):

@@ -10,6 +10,12 @@ readable one is taken) or a run directory. Formats (`--format`):
                <out_dir>/config.json with the model config, for sharing and inference
   hf           a Hugging Face checkpoint of the model's family (meshtrain.export_hf):
                config.json, safetensors with transformers' names
+  peft         a LoRA run's adapters as a PEFT adapter directory (meshtrain.hf.peft):
+               adapter_config.json and adapter_model.safetensors, for the Hugging Face base
+
+A LoRA checkpoint holds adapters only. `--format peft` writes them as they are; every other
+format writes a whole model and needs `--merge`: the base the run read (dequantised as the run
+computed it, for QLoRA) with each adapter folded into its weight, W + alpha/r · A·B.
 
 Every format carries the run's tokenizer as tokenizer.json (or tokenizer.model) with its
 tokenizer_config.json, so `python -m meshtrain.generate <out_dir> PROMPT` needs nothing else; the
@@ -24,11 +30,13 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from safetensors.numpy import save_file
@@ -39,12 +47,18 @@ from meshtrain.checkpoint.layout import (
     PARAMS,
     CorruptCheckpoint,
     find_checkpoints,
+    fingerprints,
     named_leaves,
     read_params,
 )
 from meshtrain.config import ModelConfig
+from meshtrain.config.lora import LoraConfig
 from meshtrain.data.tokenizer import Tokenizer, build_tokenizer, save_tokenizer
+from meshtrain.hf.peft import export_peft
 from meshtrain.hf.save import export_hf
+from meshtrain.inference.load import load_checkpoint
+from meshtrain.models.frozen import is_quantized
+from meshtrain.models.lora import merge_adapters, split_adapters
 from meshtrain.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -74,15 +88,20 @@ def write_safetensors(params: Any, meta: dict[str, Any], out_dir: Path) -> None:
 
 def write_hf(params: Any, meta: dict[str, Any], out_dir: Path) -> None:
     model = ModelConfig(**meta["config"]["model"])
-    # export_hf walks the model's own tree (int keys for the blocks); the saved tree has the
-    # same dotted names, so the arrays are placed by name.
+    export_hf(_in_model_tree(params, model), model, out_dir, _run_tokenizer(meta))
+
+
+def _in_model_tree(params: Any, model: ModelConfig, adapters_only: bool = False) -> Any:
+    """Saved parameters in the model's own tree (int keys for the blocks, as export_hf and
+    export_peft walk it); the saved tree has the same dotted names, so arrays go by name."""
     abstract = nnx.to_pure_dict(
         nnx.state(nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0))), nnx.Param)
     )
+    if adapters_only:
+        abstract = split_adapters(abstract)[0]
     saved = named_leaves(params)
     arrays = [jnp.asarray(saved[name]) for name in named_leaves(abstract)]
-    keyed = jax.tree.unflatten(jax.tree.structure(abstract), arrays)
-    export_hf(keyed, model, out_dir, _run_tokenizer(meta))
+    return jax.tree.unflatten(jax.tree.structure(abstract), arrays)
 
 
 def _run_tokenizer(meta: dict[str, Any]) -> Tokenizer | None:
@@ -114,11 +133,45 @@ class ExportError(Exception):
     """Bad input to the export command; reported as one line, exit code 2."""
 
 
-def export(checkpoint: Path, out_dir: Path, fmt: str = "orbax") -> Path:
-    """Writes the parameters of the newest readable checkpoint at `checkpoint`; returns its path."""
+def _lora_export(
+    path: Path, adapters: Any, description: dict[str, Any], fmt: str, merge: bool, out_dir: Path
+) -> tuple[Any, dict[str, Any]]:
+    """A LoRA checkpoint's export: (None, _) once the PEFT adapter is written, else the merged
+    parameters and their description (a plain model's config)."""
+    config = description["config"]
+    model = ModelConfig(**config["model"])
+    if not model.lora.rank:
+        what = "--format peft" if fmt == "peft" else "--merge"
+        raise ExportError(f"{path} holds no LoRA adapters (model.lora.rank=0): drop {what}")
+    if fmt == "peft":
+        if merge:
+            raise ExportError("--format peft writes the adapters alone; drop --merge")
+        init_from = model.init_from
+        base = init_from.removeprefix("hf:") if init_from else config["checkpoint"]["load_params"]
+        export_peft(_in_model_tree(adapters, model, adapters_only=True), model, out_dir, base)
+        return None, description
+    if not merge:
+        raise ExportError(
+            f"{path} holds LoRA adapters only; add --merge to write the base with the "
+            "adapters folded in, or use --format peft for the adapters alone"
+        )
+    merged = nnx.to_pure_dict(nnx.state(load_checkpoint(path), nnx.Param))
+    merged = jax.tree.map(lambda leaf: leaf[...], merged, is_leaf=is_quantized)  # dequantised
+    merged = merge_adapters(merged, model.lora.alpha / model.lora.rank)
+    merged = jax.tree.map(np.asarray, jax.device_get(merged))  # host arrays, as read_params's
+    plain = {**config, "model": {**config["model"], "lora": asdict(LoraConfig())}}
+    log.info("merged the LoRA adapters (rank %d) into their base", model.lora.rank)
+    marks = fingerprints(merged, f"{PARAMS}.")  # of the merged arrays, which a read checks
+    return merged, {**description, "config": plain, "fingerprints": marks}
+
+
+def export(checkpoint: Path, out_dir: Path, fmt: str = "orbax", *, merge: bool = False) -> Path:
+    """Writes the parameters of the newest readable checkpoint at `checkpoint`; returns its
+    path. merge: fold a LoRA checkpoint's adapters into its base (the formats but peft)."""
     checkpoint, out_dir = checkpoint.resolve(), out_dir.resolve()  # orbax wants absolute paths
-    if fmt not in EXPORTERS:
-        raise ExportError(f"--format {fmt} is not supported; use one of: {', '.join(EXPORTERS)}")
+    formats = [*EXPORTERS, "peft"]
+    if fmt not in formats:
+        raise ExportError(f"--format {fmt} is not supported; use one of: {', '.join(formats)}")
     if not checkpoint.exists():
         raise ExportError(f"checkpoint {checkpoint} does not exist")
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -144,6 +197,11 @@ def export(checkpoint: Path, out_dir: Path, fmt: str = "orbax") -> Path:
                 k: v for k, v in meta["fingerprints"].items() if k.startswith("params.")
             },
         }
+        lora = ModelConfig(**meta["config"]["model"]).lora
+        if fmt == "peft" or merge or lora.rank:
+            params, description = _lora_export(path, params, description, fmt, merge, out_dir)
+            if params is None:  # written as a PEFT adapter
+                return path
         if out_dir.exists():
             out_dir.rmdir()  # empty: orbax renames its temporary directory to this name
         EXPORTERS[fmt](params, description, out_dir)

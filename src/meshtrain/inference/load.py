@@ -23,28 +23,33 @@ from meshtrain.checkpoint.layout import (
     read_meta,
     read_params,
 )
+from meshtrain.config.hydra import config_from_dict
 from meshtrain.config.schema import ModelConfig
 from meshtrain.data.tokenizer import TOKENIZER_FILES, Tokenizer, build_tokenizer
 from meshtrain.errors import ConfigError
 from meshtrain.hf.config_json import model_config_from_hf, read_config_json
 from meshtrain.hf.load import check_init_from, load_params
 from meshtrain.hf.safetensors_io import CheckpointReader
+from meshtrain.inference.lora_base import check_base_unchanged, load_frozen_base
 from meshtrain.models.abstract import (
     AbstractModel,
     abstract_model,
     merge_model,
     replicated_kv_heads,
 )
+from meshtrain.models.frozen import is_quantized
 from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.mesh import MeshSpec, resolve_mesh
 
 log = logging.getLogger(__name__)
 
 
-def _abstract_model(cfg: ModelConfig, mesh: Mesh, spec: MeshSpec) -> AbstractModel:
-    """abstract_model, with the one line that says when the key/value heads are replicated
-    over tp (as a training run's start-up says)."""
-    model = abstract_model(cfg, mesh, spec)
+def _abstract_model(
+    cfg: ModelConfig, mesh: Mesh, spec: MeshSpec, dtype: jnp.dtype = jnp.float32
+) -> AbstractModel:
+    """abstract_model (a LoRA base stored for the compute `dtype`), with the one line that
+    says when the key/value heads are replicated over tp (as a training run's start-up says)."""
+    model = abstract_model(cfg, mesh, spec, dtype)
     note = replicated_kv_heads(cfg, spec)
     if note:
         log.info(note)
@@ -117,21 +122,35 @@ def load_checkpoint(
     mesh, spec = resolve_mesh(mesh)
     for candidate in _candidates(Path(path)):
         try:
-            cfg = ModelConfig(**read_meta(candidate)["config"]["model"])
-            model = _abstract_model(cfg, mesh, spec)
+            meta = read_meta(candidate)
+            cfg = ModelConfig(**meta["config"]["model"])
+            model = _abstract_model(cfg, mesh, spec, dtype)
             target = jax.tree.map(
                 lambda leaf, sharding: jax.ShapeDtypeStruct(
                     leaf.shape, leaf.dtype, sharding=sharding
                 ),
-                model.abstract_params,
-                model.param_shardings,
+                model.trainable_params,
+                model.trainable_shardings,
             )
             params, _ = read_params(candidate, target)
         except CorruptCheckpoint as err:
             log.warning("%s; trying the previous checkpoint", err)
             continue
-        return merge_model(model, jax.tree.map(lambda p: p.astype(dtype), params))
+        if model.lora:  # adapters: the base is read from where the run read it
+            params = model.full_params(params, lora_base(meta, model, candidate))
+        cast = lambda p: p.astype(dtype)  # noqa: E731
+        return merge_model(model, jax.tree.map(cast, params, is_leaf=is_quantized))
     raise ConfigError(f"no readable checkpoint at {path}")
+
+
+def lora_base(meta: dict[str, Any], model: AbstractModel, where: Path) -> Any:
+    """The frozen base of the LoRA checkpoint at `where` (described by `meta`), stored as in
+    training: read from the run's model.init_from or checkpoint.load_params (or drawn from its
+    seed), after checking that its files are those the adapters were trained on."""
+    run = config_from_dict(meta["config"])
+    check_base_unchanged(run, meta.get("lora_base"), where)
+    log.info("LoRA adapters of %s on the base %s", where, meta["lora_base"]["source"])
+    return load_frozen_base(run, model)
 
 
 def _safetensors_export_config(directory: Path) -> dict[str, Any] | None:

@@ -13,12 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from meshtrain.config.lora import lora_enabled
 from meshtrain.config.schema import ModelConfig
 from meshtrain.config.validate import check_model_on_mesh
 from meshtrain.models.attention import check_attention
+from meshtrain.models.frozen import check_quant_blocks, frozen_layout
+from meshtrain.models.lora import join_adapters, split_adapters
 from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.mesh import MeshSpec
 from meshtrain.parallel.rules import check_divisible, mesh_axes_for, named_shardings, param_specs
@@ -33,6 +37,37 @@ class AbstractModel:
     abstract_params: Any  # the same as a nested dict of ShapeDtypeStruct
     param_shardings: Any  # nested dict of NamedSharding
     config: ModelConfig | None = None  # what it was built from
+    # LoRA (model.lora): the frozen base as stored (models.frozen), ShapeDtypeStructs and
+    # shardings; None without LoRA.
+    frozen_params: Any = None
+    frozen_shardings: Any = None
+
+    @property
+    def lora(self) -> bool:
+        """Whether only LoRA adapters train, on a frozen base."""
+        return self.config is not None and lora_enabled(self.config)
+
+    @property
+    def trainable_params(self) -> Any:
+        """The parameters that train: the adapters with LoRA, else every parameter."""
+        return split_adapters(self.abstract_params)[0] if self.lora else self.abstract_params
+
+    @property
+    def trainable_shardings(self) -> Any:
+        return split_adapters(self.param_shardings)[0] if self.lora else self.param_shardings
+
+    @property
+    def base_params(self) -> Any:
+        """The parameters a checkpoint or Hugging Face directory provides: all but adapters."""
+        return split_adapters(self.abstract_params)[1] if self.lora else self.abstract_params
+
+    @property
+    def base_shardings(self) -> Any:
+        return split_adapters(self.param_shardings)[1] if self.lora else self.param_shardings
+
+    def full_params(self, trainable: Any, frozen: Any = None) -> Any:
+        """Every parameter of the model: the trainable ones joined with the frozen base."""
+        return join_adapters(trainable, frozen) if self.lora else trainable
 
 
 def key_value_replicas(cfg: ModelConfig, mesh_spec: MeshSpec) -> int:
@@ -83,12 +118,15 @@ def whole_stacked_layers(cfg: ModelConfig, mesh_spec: MeshSpec) -> str | None:
     )
 
 
-def abstract_model(cfg: ModelConfig, mesh: Mesh, mesh_spec: MeshSpec) -> AbstractModel:
+def abstract_model(
+    cfg: ModelConfig, mesh: Mesh, mesh_spec: MeshSpec, compute_dtype: Any = jnp.float32
+) -> AbstractModel:
     """Abstract init (shapes only) plus the logical rules → shardings; checks that the heads,
     MLP and vocabulary divide over the mesh (one line naming the sizes that would work), even
     division of every parameter, and that model.attention can run on the mesh's devices.
     Key/value heads that the mesh cannot split are replicated (fit_kv_heads), and so are the
-    stacked blocks over stages that do not divide them (whole_stacked_layers)."""
+    stacked blocks over stages that do not divide them (whole_stacked_layers). With LoRA, the
+    frozen base's storage at `compute_dtype` (models.frozen; checked against its blocks)."""
     check_attention(cfg.attention, mesh.devices.flat[0])
     check_model_on_mesh(cfg, mesh_spec)
     cfg = fit_kv_heads(cfg, mesh_spec)
@@ -101,9 +139,16 @@ def abstract_model(cfg: ModelConfig, mesh: Mesh, mesh_spec: MeshSpec) -> Abstrac
     specs = nnx.to_pure_dict(param_specs(abstract_state, cfg.logical_axis_rules))
     abstract_params = nnx.to_pure_dict(abstract_state)
     check_divisible(abstract_params, specs, mesh_spec)
-    return AbstractModel(
+    model = AbstractModel(
         graphdef, abstract_state, abstract_params, named_shardings(specs, mesh), config=cfg
     )
+    if not model.lora:
+        return model
+    check_quant_blocks(model.base_params, cfg.lora)
+    frozen, frozen_shardings = frozen_layout(
+        model.base_params, model.base_shardings, cfg.lora, compute_dtype
+    )
+    return dataclasses.replace(model, frozen_params=frozen, frozen_shardings=frozen_shardings)
 
 
 def merge_model(model: AbstractModel, params: Any) -> Transformer:

@@ -17,6 +17,7 @@ from flax import nnx
 
 from meshtrain.config.schema import RopeScaling
 from meshtrain.models.attention import AttentionKernel, WindowOfKind, dot_product_attention
+from meshtrain.models.lora import AdapterDropout, LoraSpec, adapter_output, add_adapter
 from meshtrain.parallel.rules import Rules, constrain, mesh_axes_for
 from meshtrain.parallel.target import target_device
 
@@ -62,6 +63,31 @@ def _project_bwd(equation: str, residuals, dy: jax.Array):
 
 
 project.defvjp(_project_fwd, _project_bwd)
+
+
+class Projections(nnx.Module):
+    """A module of projections, each of which may carry a LoRA adapter (models.lora)."""
+
+    lora: LoraSpec | None = None
+
+    def projected(
+        self, name: str, equation: str, x: jax.Array, dropout: AdapterDropout | None = None
+    ) -> jax.Array:
+        """x projected by the weight `name` (see `project`), plus its adapter's output if it has
+        one (its input dropped out with `dropout`, in training); in x's dtype (the caller casts
+        the parameters)."""
+        y = project(equation, x, self.weight(name).astype(x.dtype))
+        if self.lora is None or name not in self.lora.targets:
+            return y
+        a = getattr(self, f"{name}_lora_a")[...].astype(x.dtype)
+        b = getattr(self, f"{name}_lora_b")[...].astype(x.dtype)
+        if dropout is not None and self.lora.dropout > 0:
+            x = dropout.apply(x, name, self.lora.dropout)
+        return y + adapter_output(equation, x, a, b, self.lora.scale)
+
+    def weight(self, name: str) -> jax.Array:
+        """The weight `name` as stored, read (a quantised one dequantises here, per layer)."""
+        return getattr(self, name)[...]
 
 
 class RMSNorm(nnx.Module):
@@ -143,7 +169,7 @@ def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
-class Attention(nnx.Module):
+class Attention(Projections):
     """Grouped-query causal self-attention: K key/value heads, each shared by G = N/K query heads."""
 
     def __init__(
@@ -160,6 +186,7 @@ class Attention(nnx.Module):
         init_std: float,
         rules: Rules,
         rngs: nnx.Rngs,
+        lora: LoraSpec | None = None,
     ):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         # Scores are divided by sqrt(head_dim) unless the model says otherwise (Gemma 3 27B: 168).
@@ -177,6 +204,10 @@ class Attention(nnx.Module):
         self.o = normal_param(
             rngs, (num_heads, head_dim, d_model), ("heads", "head_dim", "embed"), init_std
         )
+        self.lora = lora
+        for name in ("q", "k", "v"):
+            add_adapter(self, name, rngs, lora)
+        add_adapter(self, "o", rngs, lora, inputs=2)  # o contracts heads and head_dim
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, eps=norm_eps, scale_offset=norm_scale_offset)
             self.k_norm = RMSNorm(head_dim, eps=norm_eps, scale_offset=norm_scale_offset)
@@ -192,11 +223,12 @@ class Attention(nnx.Module):
         kernel: AttentionKernel,
         window: int | WindowOfKind | None = None,
         segment_ids: jax.Array | None = None,
+        dropout: AdapterDropout | None = None,
     ) -> jax.Array:
         """x: [B, T, D] → [B, T, D]; sin, cos: [B, T, 1, H/2] (rope_angles); window: this
         layer's sliding window (None: full causal), or those of a traced kind (WindowOfKind);
-        segment_ids: optional int32 [B, T]."""
-        q, k, v = self.queries_keys_values(x, sin, cos)
+        segment_ids: optional int32 [B, T]; dropout: of the adapters' inputs, in training."""
+        q, k, v = self.queries_keys_values(x, sin, cos, dropout)
         k, v = self.expand_kv(k, v)
         # Query head n reads key/value head n // G (G = N / K), so the tp sharding of the heads
         # keeps each group on the device of its key/value head.
@@ -209,7 +241,7 @@ class Attention(nnx.Module):
             window=window,
             segment_ids=segment_ids,
         )  # [B, T, N, H]
-        return self.output(out)
+        return self.output(out, dropout)
 
     @property
     def scale(self) -> float:
@@ -217,14 +249,13 @@ class Attention(nnx.Module):
         return 1.0 / math.sqrt(self.score_scale_dim)
 
     def queries_keys_values(
-        self, x: jax.Array, sin: jax.Array, cos: jax.Array
+        self, x: jax.Array, sin: jax.Array, cos: jax.Array, dropout: AdapterDropout | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x: [B, T, D] → queries [B, T, N, H], keys and values [B, T, K, H]: projected,
         QK-normed and rotated (the keys and values are what a key/value cache holds)."""
-        dtype = x.dtype
-        q = project("BTD,DNH->BTNH", x, self.q[...].astype(dtype))
-        k = project("BSD,DKH->BSKH", x, self.k[...].astype(dtype))
-        v = project("BSD,DKH->BSKH", x, self.v[...].astype(dtype))
+        q = self.projected("q", "BTD,DNH->BTNH", x, dropout)
+        k = self.projected("k", "BSD,DKH->BSKH", x, dropout)
+        v = self.projected("v", "BSD,DKH->BSKH", x, dropout)
         q = constrain(q, ("batch", "length", "heads", None), self.rules)
         k = constrain(k, ("batch", "length", "kv_heads", None), self.rules)
         v = constrain(v, ("batch", "length", "kv_heads", None), self.rules)
@@ -244,13 +275,13 @@ class Attention(nnx.Module):
         v = constrain(jnp.repeat(v, groups, axis=2), ("batch", "length", "heads", None), self.rules)
         return k, v
 
-    def output(self, out: jax.Array) -> jax.Array:
+    def output(self, out: jax.Array, dropout: AdapterDropout | None = None) -> jax.Array:
         """The attention's output [B, T, N, H] projected back to [B, T, D]."""
         out = constrain(out, ("batch", "length", "heads", None), self.rules)
-        return project("BTNH,NHD->BTD", out, self.o[...].astype(out.dtype))
+        return self.projected("o", "BTNH,NHD->BTD", out, dropout)
 
 
-class GatedMLP(nnx.Module):
+class GatedMLP(Projections):
     """Gated MLP: down(act(x·gate) * (x·up)); act=silu is SwiGLU, act=gelu (tanh approximation,
     Hugging Face's gelu_pytorch_tanh) is GeGLU (https://arxiv.org/abs/2002.05202)."""
 
@@ -263,20 +294,23 @@ class GatedMLP(nnx.Module):
         init_std: float,
         rules: Rules,
         rngs: nnx.Rngs,
+        lora: LoraSpec | None = None,
     ):
         self.activation = activation
         self.rules = rules
         self.gate = normal_param(rngs, (d_model, mlp_dim), ("embed", "mlp"), init_std)
         self.up = normal_param(rngs, (d_model, mlp_dim), ("embed", "mlp"), init_std)
         self.down = normal_param(rngs, (mlp_dim, d_model), ("mlp", "embed"), init_std)
+        self.lora = lora
+        for name in ("gate", "up", "down"):
+            add_adapter(self, name, rngs, lora)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, dropout: AdapterDropout | None = None) -> jax.Array:
         """x: [B, T, D] → [B, T, D]."""
-        dtype = x.dtype
-        gate = project("BTD,DF->BTF", x, self.gate[...].astype(dtype))
-        up = project("BTD,DF->BTF", x, self.up[...].astype(dtype))
+        gate = self.projected("gate", "BTD,DF->BTF", x, dropout)
+        up = self.projected("up", "BTD,DF->BTF", x, dropout)
         act = (
             jax.nn.silu if self.activation == "silu" else lambda g: jax.nn.gelu(g, approximate=True)
         )
         hidden = constrain(act(gate) * up, ("batch", "length", "mlp"), self.rules)
-        return project("BTF,FD->BTD", hidden, self.down[...].astype(dtype))
+        return self.projected("down", "BTF,FD->BTD", hidden, dropout)

@@ -26,6 +26,7 @@ from meshtrain.models.layers import (
     normal_param,
     rope_angles,
 )
+from meshtrain.models.lora import AdapterDropout, LoraSpec
 from meshtrain.parallel.rules import constrain
 
 LAYER_KINDS = choices(LayerKind)  # global: full causal attention; local: sliding window
@@ -86,6 +87,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         rules = cfg.logical_axis_rules
+        lora = LoraSpec.of(cfg)
         norm = dict(eps=cfg.norm_eps, scale_offset=cfg.norm_scale_offset)
         self.attn_norm = RMSNorm(cfg.d_model, **norm)
         self.attn = Attention(
@@ -100,6 +102,7 @@ class Block(nnx.Module):
             init_std=cfg.init_std,
             rules=rules,
             rngs=rngs,
+            lora=lora,
         )
         self.mlp_norm = RMSNorm(cfg.d_model, **norm)
         self.mlp = GatedMLP(
@@ -109,6 +112,7 @@ class Block(nnx.Module):
             init_std=cfg.init_std,
             rules=rules,
             rngs=rngs,
+            lora=lora,
         )
         if cfg.post_norms:
             self.attn_post_norm = RMSNorm(cfg.d_model, **norm)
@@ -126,20 +130,30 @@ class Block(nnx.Module):
         kernel: AttentionKernel,
         window: int | WindowOfKind | None = None,
         segment_ids: jax.Array | None = None,
+        dropout: AdapterDropout | None = None,
     ) -> jax.Array:
-        """x: [B, T, D] → [B, T, D]; sin, cos and window of this layer's kind (see Attention)."""
+        """x: [B, T, D] → [B, T, D]; sin, cos and window of this layer's kind, the adapters'
+        dropout (see Attention)."""
         attn = self.attn(
-            self.attn_norm(x), sin, cos, kernel=kernel, window=window, segment_ids=segment_ids
+            self.attn_norm(x),
+            sin,
+            cos,
+            kernel=kernel,
+            window=window,
+            segment_ids=segment_ids,
+            dropout=dropout,
         )
-        return self.after_attention(x, attn)
+        return self.after_attention(x, attn, dropout)
 
-    def after_attention(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+    def after_attention(
+        self, x: jax.Array, attn: jax.Array, dropout: AdapterDropout | None = None
+    ) -> jax.Array:
         """The rest of the block, given its input x and the attention's output, both [B, T, D]:
         the residual adds and the MLP (the decode path computes the attention its own way)."""
         if self.attn_post_norm is not None:
             attn = self.attn_post_norm(attn)
         x = constrain(x + attn, ("batch", "length", None), self.rules)
-        mlp = self.mlp(self.mlp_norm(x))
+        mlp = self.mlp(self.mlp_norm(x), dropout)
         if self.mlp_post_norm is not None:
             mlp = self.mlp_post_norm(mlp)
         return constrain(x + mlp, ("batch", "length", None), self.rules)
@@ -224,14 +238,17 @@ class Transformer(nnx.Module):
         tokens: jax.Array,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        dropout: AdapterDropout | None = None,
     ) -> jax.Array:
         """The final-normed residual stream [B, T, D] that the output projection turns into
-        logits (the loss fuses that projection with the cross-entropy: meshtrain.train.step)."""
+        logits (the loss fuses that projection with the cross-entropy: meshtrain.train.step).
+        dropout: of the LoRA adapters' inputs, in training."""
         if positions is None:
             positions = default_positions(tokens)
         x = self.embed_tokens(tokens)
         kernel, _ = self.attention_kernel(x.dtype)
-        x = self._run_blocks(x, self.rope_per_kind(positions), self.kind_index, kernel, segment_ids)
+        per_kind = self.rope_per_kind(positions)
+        x = self._run_blocks(x, per_kind, self.kind_index, kernel, segment_ids, dropout)
         return self.final_norm(x)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
@@ -280,36 +297,40 @@ class Transformer(nnx.Module):
         kind_index: list[int],
         kernel: AttentionKernel,
         segment_ids: jax.Array | None,
+        dropout: AdapterDropout | None = None,
     ) -> jax.Array:
         policy = REMAT_POLICIES[self.remat]
 
-        def run(block: Block, x: jax.Array, kind: int) -> jax.Array:
-            sin, cos, window = per_kind[kind]
-            return block(x, sin, cos, kernel=kernel, window=window, segment_ids=segment_ids)
+        def layer_dropout(layer: int) -> AdapterDropout | None:
+            return None if dropout is None else dropout.at_layer(layer)
 
         if not self.scan_layers:
-            if self.remat == "none":
-                for block, kind in zip(self.blocks, kind_index, strict=True):
-                    x = run(block, x, kind)
-                return x
-            # One remat wrapper per layer kind: the window is static, the arrays are arguments.
-            apply = [
-                nnx.remat(
-                    lambda block, x, sin, cos, segment_ids, window=window: block(
-                        x, sin, cos, kernel=kernel, window=window, segment_ids=segment_ids
-                    ),
-                    policy=policy,
-                )
-                for _, _, window in per_kind
-            ]
-            for block, kind in zip(self.blocks, kind_index, strict=True):
+            # One wrapper per layer kind (remat or not): the window is static, arrays arguments.
+            def wrapper(window: int | None) -> Any:
+                def run(block, x, sin, cos, segment_ids, dropout):
+                    return block(
+                        x,
+                        sin,
+                        cos,
+                        kernel=kernel,
+                        window=window,
+                        segment_ids=segment_ids,
+                        dropout=dropout,
+                    )
+
+                return run if self.remat == "none" else nnx.remat(run, policy=policy)
+
+            apply = [wrapper(window) for _, _, window in per_kind]
+            for layer, (block, kind) in enumerate(zip(self.blocks, kind_index, strict=True)):
                 sin, cos, _ = per_kind[kind]
-                x = apply[kind](block, x, sin, cos, segment_ids)
+                x = apply[kind](block, x, sin, cos, segment_ids, layer_dropout(layer))
             return x
 
         graphdef, stacked = nnx.split(self.blocks)
         kinds = jnp.asarray(kind_index, jnp.int32)
-        return self.scan_blocks(graphdef, stacked, x, per_kind, kinds, kernel, segment_ids)
+        return self.scan_blocks(
+            graphdef, stacked, x, per_kind, kinds, kernel, segment_ids, dropout=dropout
+        )
 
     def scan_blocks(
         self,
@@ -321,11 +342,13 @@ class Transformer(nnx.Module):
         kernel: AttentionKernel,
         segment_ids: jax.Array | None,
         active: jax.Array | None = None,
+        dropout: AdapterDropout | None = None,
     ) -> jax.Array:
         """Runs stacked blocks in a lax.scan: `stacked` is the state of scan_layers' `blocks`
         (or a pipeline stage's layers), kinds int32 [layers] the index in per_kind of each
         layer's kind; x [B, T, D] → [B, T, D]. active bool [layers]: a layer where false passes
-        x through (a pipeline stage's slot beyond its layers); None: all run."""
+        x through (a pipeline stage's slot beyond its layers); None: all run. dropout: the
+        adapters', each layer's folded with its index in the stack."""
         policy = REMAT_POLICIES[self.remat]
 
         # Several kinds: RoPE by kind [K, B, T, 1, H/2], indexed by each layer's kind.
@@ -337,20 +360,24 @@ class Transformer(nnx.Module):
                 return per_kind[0]
             return sins[kind], coses[kind], WindowOfKind(kind, windows)
 
-        def run(x: jax.Array, params: nnx.State, kind: jax.Array) -> jax.Array:
+        def run(x: jax.Array, params: nnx.State, kind: jax.Array, index: jax.Array) -> jax.Array:
             sin, cos, window = angles_and_window(kind)
             block = nnx.merge(graphdef, params)
-            return block(x, sin, cos, kernel=kernel, window=window, segment_ids=segment_ids)
+            drop = None if dropout is None else dropout.at_layer(index)
+            return block(
+                x, sin, cos, kernel=kernel, window=window, segment_ids=segment_ids, dropout=drop
+            )
 
         def layer(x: jax.Array, slot) -> tuple[jax.Array, None]:
             if active is None:
                 return run(x, *slot), None
-            params, kind, on = slot
-            return jnp.where(on, run(x, params, kind), x), None
+            params, kind, index, on = slot
+            return jnp.where(on, run(x, params, kind, index), x), None
 
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        xs = (stacked, kinds) if active is None else (stacked, kinds, active)
+        indices = jnp.arange(kinds.shape[0], dtype=jnp.int32)
+        xs = (stacked, kinds, indices) if active is None else (stacked, kinds, indices, active)
         x, _ = jax.lax.scan(layer, x, xs)
         return x
 

@@ -16,6 +16,9 @@ The rules (written out with a worked example in docs/profiling.md#the-flop-formu
   more hardware work; MFU counts only the useful half.
 - The embedding lookup is a gather (0 FLOPs); the output projection to the vocabulary is a
   matmul (2·d_model·vocab per token), whether or not it is tied to the embedding.
+- LoRA (model.lora): each adapter adds x·A and (x·A)·B, 2·r·(in + out) per token, trained 3×.
+  The frozen base's weights get no gradient, so its projections cost 2× their forward pass (the
+  pass and the activations' gradient); attention, which has no weights, still costs 3×.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshtrain.config import ModelConfig
+from meshtrain.config.lora import lora_enabled, target_projections
 from meshtrain.models.transformer import layer_kinds
 
 # Forward + backward (gradients of activations and of weights).
@@ -56,14 +60,20 @@ class FlopCount:
     mlp: int  # gate, up and down projections
     logits: int  # the output projection to the vocabulary
     embedding: int = 0  # a gather: no FLOPs
+    adapters: int = 0  # LoRA: x·A and (x·A)·B of every adapter
+    frozen_base: bool = False  # LoRA: the base's weights get no gradient
 
     @property
     def forward(self) -> int:
-        return self.projections + self.attention + self.mlp + self.logits + self.embedding
+        weights = self.projections + self.mlp + self.logits + self.embedding
+        return weights + self.attention + self.adapters
 
     @property
     def train(self) -> int:
-        return TRAIN_FACTOR * self.forward
+        if not self.frozen_base:
+            return TRAIN_FACTOR * self.forward
+        weights = self.projections + self.mlp + self.logits + self.embedding
+        return 2 * weights + TRAIN_FACTOR * (self.attention + self.adapters)
 
 
 def forward_flops(
@@ -84,7 +94,19 @@ def forward_flops(
         attention=attention,
         mlp=cfg.num_layers * mlp,
         logits=2 * t * d * cfg.vocab_size,
+        adapters=cfg.num_layers * adapter_flops(cfg, t),
+        frozen_base=lora_enabled(cfg),
     )
+
+
+def adapter_flops(cfg: ModelConfig, seq_len: int) -> int:
+    """Forward FLOPs of one block's LoRA adapters over `seq_len` tokens (0 without LoRA)."""
+    if not lora_enabled(cfg):
+        return 0
+    d, heads, kv = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    sizes = {"q": d + heads, "k": d + kv, "v": d + kv, "o": heads + d}
+    sizes |= {"gate": d + cfg.mlp_dim, "up": d + cfg.mlp_dim, "down": cfg.mlp_dim + d}
+    return sum(2 * seq_len * cfg.lora.rank * sizes[t] for t in target_projections(cfg.lora.targets))
 
 
 def train_flops_per_step(

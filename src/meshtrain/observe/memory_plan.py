@@ -99,6 +99,10 @@ class MemoryPlan:
     # and microbatches_alive (the pipeline micro-batches whose activations a stage keeps at
     # once), train.pipeline_plan's.
     pipeline: dict[str, Any] | None = None
+    # LoRA (model.lora): the frozen base's bytes per device as stored (within the arguments),
+    # and `lora_savings`' comparison with full fine-tuning; 0 and None without LoRA.
+    frozen_bytes: int = 0
+    lora: dict[str, Any] | None = None
 
     @property
     def replicated_kv_extra_bytes(self) -> int:
@@ -128,7 +132,9 @@ class MemoryPlan:
     def levers(self) -> list[str]:
         """What would shrink the plan, the larger part first."""
         fsdp = self.mesh.get("fsdp", 1)
-        sharded_state = self.params_bytes + self.opt_state_bytes + self.grad_bytes
+        sharded_state = (
+            self.params_bytes + self.opt_state_bytes + self.grad_bytes + self.frozen_bytes
+        )
         if self.micro_batch_size > 1:
             smaller = (
                 f"a smaller micro-batch (training.micro_batch_size={self.micro_batch_size // 2} "
@@ -150,13 +156,22 @@ class MemoryPlan:
                 "and temporaries",
             ),
         ]
+        if self.lora and self.lora["base_dtype"] not in ("int8", "nf4"):
+            by_size.append(
+                (
+                    self.frozen_bytes * 3 // 4,
+                    f"a quantised base (model.lora.base_dtype=nf4 stores the "
+                    f"{format_bytes(self.frozen_bytes)} frozen base in about a quarter of bf16)",
+                )
+            )
         return [text for _, text in sorted(by_size, key=lambda item: -item[0])]
 
     def summary(self) -> str:
         """The plan in one line, for a run on devices of no known memory size (plan.json and
         `format` hold the whole table)."""
+        frozen = f"frozen base {format_bytes(self.frozen_bytes)}, " if self.lora else ""
         return (
-            f"memory plan per device: {format_bytes(self.total_bytes)} in all (parameters "
+            f"memory plan per device: {format_bytes(self.total_bytes)} in all ({frozen}parameters "
             f"{format_bytes(self.params_bytes)}, optimizer state "
             f"{format_bytes(self.opt_state_bytes)}, activations + temps "
             f"{format_bytes(self.activation_bytes)}); set plan.device=h100 (or h200, a100_80gb, "
@@ -187,6 +202,13 @@ class MemoryPlan:
                 f"(replicated over tp={self.replicated_kv_over}: "
                 f"{format_bytes(self.replicated_kv_extra_bytes)} more than a 1/tp split, "
                 "as much again in gradients and in each Adam moment)"
+            )
+        if self.lora:
+            lines.append(
+                f"  frozen base         {format_bytes(self.frozen_bytes):>12}   "
+                f"(LoRA, stored as {self.lora['base_dtype']}; full fine-tuning would hold "
+                f"{format_bytes(self.lora['full_finetune_state_bytes'])} of parameters, "
+                f"gradients and optimizer state, LoRA {format_bytes(self.lora['lora_state_bytes'])})"
             )
         lines += [
             f"  optimizer state     {format_bytes(self.opt_state_bytes):>12}",
@@ -266,13 +288,21 @@ def memory_plan(
     replicated_kv_over: int = 1,
     unsharded_grad_axes: tuple[str, ...] = (),
     pipeline: dict[str, Any] | None = None,
+    full_model: tuple[Any, Any] | None = None,
+    base_dtype: str | None = None,
 ) -> MemoryPlan:
     """The plan of a compiled train step whose state has these shapes and shardings;
     `replicated_kv_over`: the tp ranks that hold the key/value projections whole (1: split);
     `unsharded_grad_axes`: the mesh axes gradients are summed whole along before they are
-    reduced (train.gradients), if any; `pipeline`: the pp schedule's numbers, if any."""
+    reduced (train.gradients), if any; `pipeline`: the pp schedule's numbers, if any. LoRA:
+    `full_model`, the (shapes, shardings) of every parameter, and the base's storage."""
     analysis = compiled.memory_analysis()
     params = bytes_per_device(abstract_state.params, state_shardings.params)
+    opt_state = bytes_per_device(abstract_state.opt_state, state_shardings.opt_state)
+    frozen, lora = 0, None
+    if abstract_state.frozen is not None:
+        frozen = bytes_per_device(abstract_state.frozen, state_shardings.frozen)
+        lora = lora_savings(full_model, frozen, 2 * params + opt_state, base_dtype)
     replicated_kv = 0
     if replicated_kv_over > 1:
         replicated_kv = key_value_bytes_per_device(abstract_state.params, state_shardings.params)
@@ -280,7 +310,7 @@ def memory_plan(
         mesh={name: int(size) for name, size in mesh.shape.items()},
         micro_batch_size=micro_batch_size,
         params_bytes=params,
-        opt_state_bytes=bytes_per_device(abstract_state.opt_state, state_shardings.opt_state),
+        opt_state_bytes=opt_state,
         grad_bytes=params,  # fp32 gradients, sharded like their parameters
         activation_bytes=int(analysis.temp_size_in_bytes),
         argument_bytes=int(analysis.argument_size_in_bytes),
@@ -298,4 +328,25 @@ def memory_plan(
             abstract_state.params, state_shardings.params, unsharded_grad_axes
         ),
         pipeline=pipeline,
+        frozen_bytes=frozen,
+        lora=lora,
     )
+
+
+def lora_savings(
+    full_model: tuple[Any, Any], frozen_bytes: int, adapter_state_bytes: int, base_dtype: str
+) -> dict[str, Any]:
+    """What LoRA holds per device beside the activations (the frozen base, and the adapters
+    with their gradients and Adam moments), against full fine-tuning's fp32 parameters,
+    gradients and two moments of every parameter; bytes per device."""
+    shapes, shardings = full_model
+    full = 4 * bytes_per_device(
+        jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), shapes), shardings
+    )
+    lora = frozen_bytes + adapter_state_bytes
+    return {
+        "base_dtype": base_dtype,
+        "full_finetune_state_bytes": full,
+        "lora_state_bytes": lora,
+        "saved_bytes": full - lora,
+    }

@@ -1,12 +1,13 @@
-"""Metric sinks for a run: train.log, console log and progress bar, metrics.jsonl, TensorBoard.
+"""Metric sinks for a run: train.log, console log and progress bar, metrics.jsonl, and the
+experiment trackers of logging.trackers (TensorBoard by default; observe.trackers).
 
-Only process 0 writes train.log, metrics.jsonl and TensorBoard; another process N logs to
+Only process 0 writes train.log, metrics.jsonl and the trackers; another process N logs to
 rank<N>.log and prints only warnings and errors.
 """
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import json
 import logging
 import os
@@ -17,12 +18,21 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from meshtrain.config.trackers import LoggingConfig
 from meshtrain.observe.progress import ProgressBar
+from meshtrain.observe.trackers import (
+    RunInfo,
+    close_trackers,
+    metric_tag,
+    open_trackers,
+    run_name,
+)
 from meshtrain.units import format_eta
 
 if TYPE_CHECKING:
     import jax
-    from tensorboardX import SummaryWriter
+
+    from meshtrain.config.schema import Config
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +54,6 @@ _DISPLAY: dict[str, tuple[str, str]] = {
     "memory_in_use_gib": ("mem", "{:.2f}GiB"),
     "memory_peak_gib": ("mem_peak", "{:.2f}GiB"),
 }
-_writer_numbers = itertools.count()
 
 
 class _ConsoleHandler(logging.StreamHandler):
@@ -108,24 +117,6 @@ def _console_handler() -> _ConsoleHandler | None:
     return None
 
 
-def _import_summary_writer() -> type[SummaryWriter]:
-    """tensorboardX's SummaryWriter, imported without torch.
-
-    tensorboardX imports torch when it is installed (1.4 s of every launch on a 2-core machine)
-    only to accept torch tensors; meshtrain logs floats. Unless torch is loaded already, it is
-    hidden while tensorboardX loads, and its functions that need torch import it themselves.
-    """
-    hide_torch = "torch" not in sys.modules
-    if hide_torch:
-        sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        if hide_torch:
-            del sys.modules["torch"]
-    return SummaryWriter
-
-
 def _truncate_jsonl(path: Path, *, last_step: int) -> None:
     """Keep only the lines of `path` for steps <= last_step, replacing the file atomically.
 
@@ -148,8 +139,13 @@ def _truncate_jsonl(path: Path, *, last_step: int) -> None:
 
 
 class MetricsWriter:
-    """Writes each logged step to metrics.jsonl, TensorBoard and the log; on a terminal, it
-    also shows every step finishing on a progress bar (observe.progress)."""
+    """Writes each logged step to metrics.jsonl, the trackers and the log; on a terminal, it
+    also shows every step finishing on a progress bar (observe.progress).
+
+    `config`: the run's resolved config, whose logging.trackers are opened (with its
+    experiment.name in the run's name, and the whole config logged to each); None: TensorBoard
+    alone, without the config.
+    """
 
     def __init__(
         self,
@@ -159,6 +155,7 @@ class MetricsWriter:
         is_main: bool,
         start_step: int = 0,
         tokens_per_step: int = 0,
+        config: Config | None = None,
     ) -> None:
         self.total_steps = total_steps
         self.is_main = is_main
@@ -172,14 +169,17 @@ class MetricsWriter:
         # lines and TensorBoard events go, and each step appears once. train.log keeps them all.
         jsonl_path = run_dir / "metrics.jsonl"
         _truncate_jsonl(jsonl_path, last_step=start_step)
-        self._jsonl = jsonl_path.open("a", encoding="utf-8")
-        # tensorboardX names its file by the second and the host and truncates a file of that
-        # name: the pid and a per-process count keep a second writer from erasing the first's.
-        self._tb = _import_summary_writer()(
-            logdir=str(run_dir),
-            purge_step=start_step + 1,
-            filename_suffix=f".{os.getpid()}.{next(_writer_numbers)}",
+        experiment = config.experiment.name if config is not None else run_dir.name
+        run = RunInfo(
+            run_dir=run_dir,
+            name=run_name(run_dir, experiment),
+            experiment=experiment,
+            start_step=start_step,
+            config=dataclasses.asdict(config) if config is not None else {},
         )
+        settings = config.logging if config is not None else LoggingConfig()
+        self._trackers = open_trackers(settings, run)  # before the jsonl: a failure leaves none
+        self._jsonl = jsonl_path.open("a", encoding="utf-8")
         self._closed = False
         console = _console_handler()
         if console is not None and console.tty:
@@ -202,9 +202,9 @@ class MetricsWriter:
         values = {name: float(value) for name, value in metrics.items()}
         self._jsonl.write(json.dumps({"step": int(step), **values}) + "\n")
         self._jsonl.flush()
-        for name, value in values.items():
-            tag = f"val/{name[4:]}" if name.startswith("val_") else f"train/{name}"
-            self._tb.add_scalar(tag, value, global_step=step)
+        tagged = {metric_tag(name): value for name, value in values.items()}
+        for tracker in self._trackers:
+            tracker.write(int(step), tagged)
 
         eta = self._eta(step)
         shown = " ".join(_format_metric(name, value) for name, value in values.items())
@@ -222,7 +222,8 @@ class MetricsWriter:
             return "?"
         return format_eta((now - since) / done * max(self.total_steps - step, 0))
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """Closes the sinks; `failed`: the run raised (the trackers mark their runs failed)."""
         if not self.is_main or self._closed:
             return
         self._closed = True
@@ -231,8 +232,8 @@ class MetricsWriter:
             console = _console_handler()
             if console is not None:
                 console.bar = None
-        self._tb.close()
         self._jsonl.close()
+        close_trackers(self._trackers, failed=failed)
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -243,4 +244,4 @@ class MetricsWriter:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self.close(failed=exc_type is not None)

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from meshtrain.accelerators import accelerator_for_kind
-from meshtrain.config.schema import cache_root
+from meshtrain.config.caches import cache_root
 from meshtrain.observe.progress import phase
 from meshtrain.units import GIB, format_flops
 
@@ -117,7 +117,7 @@ def peak_cache_key(device: jax.Device, compute_dtype: str) -> str:
 
 
 def peak_cache_path() -> Path:
-    """<cache root>/peak.json: $MESHTRAIN_CACHE_DIR moves it (meshtrain.config.schema.cache_root)."""
+    """<cache root>/peak.json: $MESHTRAIN_CACHE_DIR moves it (meshtrain.config.caches.cache_root)."""
     return cache_root() / PEAK_CACHE_FILE
 
 

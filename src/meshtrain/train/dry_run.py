@@ -91,8 +91,11 @@ def _compile_initialisation(
     """Compiles the programs a fresh run initialises its state with (nothing runs)."""
     options = init_compiler_options(shardings)
     start = time.perf_counter()
+    params = initial_params_programs(
+        setup.cfg.model, setup.cfg.training.seed, shardings.params, adapters_only=setup.model.lora
+    )
     lowered = [
-        *initial_params_programs(setup.cfg.model, setup.cfg.training.seed, shardings.params),
+        *(program for program in params if program is not None),
         state_program(
             tx,
             shardings,

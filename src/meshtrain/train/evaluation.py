@@ -4,7 +4,6 @@ tokens that carry loss (for chat data, the trained tokens only)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
@@ -18,8 +17,9 @@ from meshtrain.train.state import TrainState
 from meshtrain.train.step import make_eval_step
 
 
-def make_evaluator(setup: Setup, shardings: TrainState) -> Callable[[Any], float] | None:
-    """A function params → mean validation loss over fixed batches, or None when eval is off."""
+def make_evaluator(setup: Setup, shardings: TrainState) -> Callable[[TrainState], float] | None:
+    """A function state → mean validation loss of its parameters over fixed batches, or None
+    when eval is off."""
     cfg = setup.cfg
     if setup.validation_data is None:
         return None
@@ -36,15 +36,15 @@ def make_evaluator(setup: Setup, shardings: TrainState) -> Callable[[Any], float
     device_batches = [to_global_array(b, eval_sharding, eval_shape) for b in local]
     eval_step = make_eval_step(
         setup.model,
-        param_shardings=shardings.params,
+        state_shardings=shardings,
         batch_sharding=eval_sharding,
         token_format=setup.token_format,
         mixed_precision=cfg.training.mixed_precision,
         pipeline=setup.pipeline,
     )
 
-    def evaluate(params: Any) -> float:
-        sums = [eval_step(params, batch) for batch in device_batches]
+    def evaluate(state: TrainState) -> float:
+        sums = [eval_step(state.params, state.frozen, batch) for batch in device_batches]
         loss_sum, count = np.sum(np.asarray(jax.device_get(sums), dtype=np.float64), axis=0)
         return float(loss_sum / max(count, 1.0))
 

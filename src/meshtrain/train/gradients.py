@@ -41,10 +41,13 @@ from meshtrain.parallel.rules import Rules, mesh_axes_for, without_axes
 REDUCE_DTYPES: dict[ReduceDtype, jnp.dtype] = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 REPLICA_AXES = ("dp",)  # batch axes that hold whole replicas: reduced once per update
 
-# (params, tokens [B, seq_len + 1]) → ((summed loss, token count), gradients)
-LossAndGrads = Callable[[Any, jax.Array], tuple[tuple[jax.Array, jax.Array], Any]]
-# (params, batch [accum, micro_global, seq_len + 1]) → (summed gradients, summed loss, count)
-Accumulate = Callable[[Any, jax.Array], tuple[Any, jax.Array, jax.Array]]
+# (params, rows, frozen) → ((summed loss, token count), gradients of params). rows: tokens
+# [B, seq_len + 1], or a tuple of arrays [B, ...] (with LoRA dropout: the tokens and each row's
+# key); frozen: what the loss reads but does not differentiate (a LoRA run's base), or None.
+LossAndGrads = Callable[[Any, Any, Any], tuple[tuple[jax.Array, jax.Array], Any]]
+# (params, batch: rows with two leading axes [accum, micro_global, ...], frozen)
+#   → (summed gradients, summed loss, count)
+Accumulate = Callable[[Any, Any, Any], tuple[Any, jax.Array, jax.Array]]
 
 
 @dataclass(frozen=True)
@@ -98,9 +101,9 @@ def implicit_accumulate(loss_and_grads: LossAndGrads, param_shardings: Any) -> A
     shardings). One micro-batch: no loop and no zero-filled sum; several: a lax.scan over all
     of them from zeros (peeling the first one off measured 10% more temporaries)."""
 
-    def accumulate(params: Any, batch: jax.Array) -> tuple[Any, jax.Array, jax.Array]:
-        def micro_grads(tokens: jax.Array) -> tuple[Any, jax.Array, jax.Array]:
-            (loss, count), grads = loss_and_grads(params, tokens)
+    def accumulate(params: Any, batch: Any, frozen: Any) -> tuple[Any, jax.Array, jax.Array]:
+        def micro_grads(tokens: Any) -> tuple[Any, jax.Array, jax.Array]:
+            (loss, count), grads = loss_and_grads(params, tokens, frozen)
             return jax.lax.with_sharding_constraint(grads, param_shardings), loss, count
 
         return _summed(micro_grads, batch, param_shardings, peel=False)
@@ -118,7 +121,7 @@ def grouped_accumulate(
     mesh = jax.tree.leaves(param_shardings)[0].mesh
     size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
     groups, replicas = size(sync.grouped), size(sync.replicas)
-    per_group = jax.vmap(loss_and_grads, in_axes=(None, 0), spmd_axis_name=sync.grouped)
+    per_group = jax.vmap(loss_and_grads, in_axes=(None, 0, None), spmd_axis_name=sync.grouped)
     group_shardings = jax.tree.map(lambda s: _leading(sync.grouped, s), param_shardings)
     # The running sum: [replicas, *param] per replica (dp), else the parameters' own layout.
     if sync.replicas:
@@ -145,19 +148,19 @@ def grouped_accumulate(
         split = lambda g: g.reshape(replicas, groups // replicas, *g.shape[1:])  # noqa: E731
         return reduce(jax.tree.map(split, grads), 1, sum_shardings)
 
-    def accumulate(params: Any, batch: jax.Array) -> tuple[Any, jax.Array, jax.Array]:
-        def micro_grads(tokens: jax.Array) -> tuple[Any, jax.Array, jax.Array]:
-            """[micro_global, seq_len + 1] → ([groups, *param] gradients, summed loss, count)."""
-            tokens = tokens.reshape(groups, -1, tokens.shape[-1])  # [groups, rows, seq_len + 1]
-            (loss, count), grads = per_group(params, tokens)
+    def accumulate(params: Any, batch: Any, frozen: Any) -> tuple[Any, jax.Array, jax.Array]:
+        def micro_grads(tokens: Any) -> tuple[Any, jax.Array, jax.Array]:
+            """[micro_global, ...] → ([groups, *param] gradients, summed loss, count)."""
+            tokens = _leading_split(tokens, groups)  # [groups, rows, ...]
+            (loss, count), grads = per_group(params, tokens, frozen)
             return jax.lax.with_sharding_constraint(grads, group_shardings), loss.sum(), count.sum()
 
-        def window(tokens: jax.Array) -> tuple[Any, jax.Array, jax.Array]:
-            """[every, micro_global, seq_len + 1] → the window's sums, folded."""
+        def window(tokens: Any) -> tuple[Any, jax.Array, jax.Array]:
+            """[every, micro_global, ...] → the window's sums, folded."""
             grads, loss, count = _summed(micro_grads, tokens, group_shardings)
             return fold(grads), loss, count
 
-        windows = batch.reshape(-1, sync.every, *batch.shape[1:])  # [accum / every, every, ...]
+        windows = _leading_split(batch, -1, sync.every)  # [accum / every, every, ...]
         # Zeros start the windows' sum: a peeled first window would be a second copy of the
         # whole pass, and XLA keeps both programs' buffers (measured: +60% temporaries).
         grads, loss, count = _summed(window, windows, sum_shardings, peel=False)
@@ -168,22 +171,34 @@ def grouped_accumulate(
     return accumulate
 
 
+def _leading_split(rows: Any, first: int, second: int | None = None) -> Any:
+    """Each array of `rows` with its leading axis split in two: [first, rest] or
+    [first (-1: the rest), second]."""
+
+    def split(a: jax.Array) -> jax.Array:
+        shape = (first, -1) if second is None else (first, second)
+        return a.reshape(*shape, *a.shape[1:])
+
+    return jax.tree.map(split, rows)
+
+
 def _summed(
-    part: Callable[[jax.Array], tuple[Any, jax.Array, jax.Array]],
-    parts: jax.Array,
+    part: Callable[[Any], tuple[Any, jax.Array, jax.Array]],
+    parts: Any,
     shardings: Any,
     *,
     peel: bool = True,
 ) -> tuple[Any, jax.Array, jax.Array]:
-    """The sums of `part` (gradients, loss, count) over the leading axis of `parts`, in a
-    lax.scan (none for one part). peel: the first part starts the sums (no zero-filled buffer);
-    else they start from zeros in `shardings`."""
-    if parts.shape[0] == 1:
-        return part(parts[0])
+    """The sums of `part` (gradients, loss, count) over the leading axis of the arrays of
+    `parts`, in a lax.scan (none for one part). peel: the first part starts the sums (no
+    zero-filled buffer); else they start from zeros in `shardings`."""
+    first = jax.tree.map(lambda a: a[0], parts)
+    if jax.tree.leaves(parts)[0].shape[0] == 1:
+        return part(first)
     if peel:
-        init, rest = part(parts[0]), parts[1:]
+        init, rest = part(first), jax.tree.map(lambda a: a[1:], parts)
     else:
-        shapes = jax.eval_shape(part, parts[0])
+        shapes = jax.eval_shape(part, first)
         zeros = lambda a, s=None: jnp.zeros(a.shape, a.dtype, device=s)  # noqa: E731
         init = (jax.tree.map(zeros, shapes[0], shardings), *map(zeros, shapes[1:]))
         rest = parts

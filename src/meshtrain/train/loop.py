@@ -22,6 +22,8 @@ from meshtrain.checkpoint import RunCheckpoints
 from meshtrain.config.schema import Config
 from meshtrain.data import BatchIterator
 from meshtrain.distributed.preemption import StopSignals
+from meshtrain.inference.initial_weights import check_initial_weights, load_initial_params
+from meshtrain.inference.lora_base import initial_adapters, load_frozen_base
 from meshtrain.observe.communication import CommunicationReport
 from meshtrain.observe.metrics import MetricsWriter, setup_logging
 from meshtrain.observe.profiler import ProfilerWindow
@@ -30,7 +32,7 @@ from meshtrain.observe.throughput import ThroughputMeter
 from meshtrain.train.batch import DeviceBatches, process_rows
 from meshtrain.train.evaluation import make_evaluator
 from meshtrain.train.guard import raise_if_nonfinite
-from meshtrain.train.initial_weights import check_initial_weights, load_initial_params
+from meshtrain.train.harness_hook import harness_hook
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.pipeline_plan import measure_bubble
 from meshtrain.train.resume import check_resume, run_meta
@@ -98,6 +100,7 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
         batches = _batch_iterator(setup, batch_sharding)
         state, start_step = _initial_state(setup, checkpoints, tx, shardings, batches)
         evaluate = make_evaluator(setup, shardings)
+        harness = harness_hook(cfg, setup.model)
         meter = throughput_meter(setup)
 
         history: list[dict[str, float]] = []
@@ -110,6 +113,7 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
                 is_main=is_main,
                 start_step=start_step,
                 tokens_per_step=setup.global_batch * cfg.data.seq_len,
+                config=cfg,  # its logging.trackers, and the config each of them logs
             ) as writer,
             ProfilerWindow(
                 cfg.profile,
@@ -119,6 +123,7 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
                 on_trace=_report_measured(setup, communication, run_dir, is_main),
             ) as profiler,
         ):
+            clock.restart(start_step)  # opening the trackers is not step time
             for step in range(start_step + 1, training.steps + 1):
                 batch = next(batches)  # read and sent while the previous step ran
                 profiler.before_step(step, state)
@@ -132,14 +137,18 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
 
                 stop = signals.stop_requested(step)
                 eval_now = evaluate is not None and (is_last or step % training.eval_every == 0)
+                harness_now = harness is not None and harness.due(step, is_last)
                 log_now = step == start_step + 1 or step % training.log_every == 0 or is_last
-                if log_now or eval_now or stop:
+                if log_now or eval_now or harness_now or stop:
                     values = _step_metrics(metrics, clock, meter, step, setup)
                     values.update(_data_shares(batches, step))
                     if eval_now:
-                        values["val_loss"] = evaluate(state.params)
+                        values["val_loss"] = evaluate(state)
                         values["val_perplexity"] = math.exp(min(values["val_loss"], 80.0))
                         clock.restart(step)  # evaluation time is not step time
+                    if harness_now:
+                        values.update(harness(state))
+                        clock.restart(step)
                     history.append({"step": step, **values})
                     writer.write(step, values)
                     _stop_if_nonfinite(state, cfg, checkpoints)
@@ -215,16 +224,23 @@ def _initial_state(
     batches: DeviceBatches,
 ) -> tuple[TrainState, int]:
     """The resumed state and its step (the data moved there), or a fresh state at step 0."""
-    cfg = setup.cfg
+    cfg, model, run_checkpoints = setup.cfg, setup.model, checkpoints.directory
+    frozen = None
+    if model.lora:  # read at every start: the checkpoints hold only the adapters
+        with phase(log, "reading the frozen LoRA base", "read the frozen LoRA base"):
+            frozen = load_frozen_base(cfg, model, checkpoint_dir_of_run=run_checkpoints)
 
     def fresh() -> tuple[Any, TrainState]:
-        params = load_initial_params(cfg, setup.model, checkpoint_dir_of_run=checkpoints.directory)
-        state = create_train_state(cfg.model, tx, shardings, cfg.training.seed, params)
+        if model.lora:
+            params = initial_adapters(cfg, model)
+        else:
+            params = load_initial_params(cfg, model, checkpoint_dir_of_run=run_checkpoints)
+        state = create_train_state(cfg.model, tx, shardings, cfg.training.seed, params, frozen)
         return split_state(state)
 
     with phase(log, "preparing the train state", "prepared the train state"):
         params, rest, start_step = checkpoints.restore_or_init(fresh, batches)
-    return join_state(params, rest), start_step
+    return join_state(params, rest, frozen), start_step
 
 
 class _Interval:

@@ -2,22 +2,19 @@
 micro-batch split into pipeline micro-batches that flow through them.
 
 The stacked blocks (model.scan_layers) are stored with their first axis split over `pp` (logical
-axis `layers`): stage s stores layers [s·L/S, (s+1)·L/S), so a stage's master weights and
-optimizer state live on that stage's devices only, and the saved layout is the one without pp.
-Within a stage, fsdp, tp and dp shard as everywhere else. The embedding, the final norm and the
-output head are not split over pp: every stage holds them (sharded over fsdp and tp as usual);
-the loss of the pipeline micro-batches is computed with its rows split over pp as well
-(`loss_rules`).
+axis `layers`): stage s stores layers [s·L/S, (s+1)·L/S) and their optimizer state; the saved
+layout is the one without pp. Within a stage, fsdp, tp and dp shard as everywhere else. Every
+stage holds the embedding, final norm and head (sharded over fsdp and tp as usual); the loss is
+computed with its rows split over pp as well (`loss_rules`).
 
 Where a stage runs other layers than it stores, the step first moves the compute-dtype weights
 into stage order (`layer_table`): the circular schedule's interleaved chunks are one all-to-all
 over pp per step; uneven stages (model.pipeline.layers_per_stage) gather the layers each stage
-runs, a stage's slots beyond its own count being skipped (computed and discarded: every tick
-lasts as long as the longest stage's anyway). The gradients flow back by the transpose.
+runs, its slots beyond its own count computed and discarded. Gradients flow back by transpose.
 
 The stages run inside one `jax.shard_map` that is manual over `pp` only. Each tick, every stage
-runs its layers on the activations it holds, then `jax.lax.ppermute` hands them to the next
-stage (collective-permutes on the pp axis). Schedules (training.pipeline.schedule):
+runs its layers on its activations, then `jax.lax.ppermute` hands them to the next stage.
+Schedules (training.pipeline.schedule):
 
 - **gpipe**: the forwards of all M pipeline micro-batches, M + S - 1 ticks; the backward pass is
   JAX's transpose of that loop, so the activations of all M micro-batches are kept.
@@ -30,9 +27,7 @@ stage (collective-permutes on the pp axis). Schedules (training.pipeline.schedul
   backward (jax.vjp), as model.remat=full would.
 
 Every stage computes at every tick, the ticks without a micro-batch being discarded: the bubble
-is the share of such ticks, (S - 1) / (M + S - 1) for gpipe, (S - 1) / (R·M + S - 1) for
-circular and 2(S - 1) / (M + 2(S - 1)) for 1f1b (whose warm-up ticks have no backward and
-cool-down ticks no forward).
+is the share of such ticks (train.pipeline_plan). With LoRA only the adapters are differentiated.
 """
 
 from __future__ import annotations
@@ -47,6 +42,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from meshtrain.models.attention import AttentionKernel
+from meshtrain.models.lora import join_adapters
 from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.rules import Rules, mesh_axes_for
 from meshtrain.train.pipeline_plan import AXIS, PipelinePlan, layer_table
@@ -183,9 +179,8 @@ def _store(buffer: jax.Array, index: jax.Array, value: jax.Array, keep: jax.Arra
 
 def _add_where(totals: Any, values: Any, on: jax.Array) -> Any:
     """totals + values (in fp32) where `on`, else totals."""
-    return jax.tree.map(
-        lambda total, v: total + jnp.where(on, v.astype(jnp.float32), 0.0), totals, values
-    )
+    add = lambda total, v: total + jnp.where(on, v.astype(jnp.float32), 0.0)  # noqa: E731
+    return jax.tree.map(add, totals, values)
 
 
 def _split(a: jax.Array | None, count: int) -> jax.Array | None:
@@ -193,8 +188,8 @@ def _split(a: jax.Array | None, count: int) -> jax.Array | None:
     return None if a is None else a.reshape(count, a.shape[0] // count, *a.shape[1:])
 
 
-def _microbatch(a: jax.Array | None, index: jax.Array) -> jax.Array | None:
-    return None if a is None else jax.lax.dynamic_index_in_dim(a, index, keepdims=False)
+def _microbatch(a: jax.Array | None, i: jax.Array) -> jax.Array | None:
+    return None if a is None else jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
 
 
 def pipelined_hidden(
@@ -283,40 +278,40 @@ def one_f_one_b(
     segment_ids: jax.Array | None,
     plan: PipelinePlan,
     kernel: AttentionKernel,
+    frozen: Any = None,
 ) -> tuple[jax.Array, Any]:
     """Summed loss and its gradients, by the 1F1B schedule. `params`: the compute-dtype
-    parameters that `net` holds; the outer ones are all but `blocks`. embed(outer) → the
-    embedded tokens [B, T, D]; head_loss(outer, hidden [b, T, D] after the blocks, targets
-    [b, T], mask [b, T]) → the summed loss of one pipeline micro-batch; targets, positions,
-    segment_ids int32 [B, T], mask fp32 [B, T]. Returns (loss, fp32 gradients with the
-    structure of `params`).
+    parameters `net` holds, outer ones all but `blocks` (with LoRA's `frozen` base: the
+    adapters, the only ones differentiated). embed(outer) → tokens embedded [B, T, D];
+    head_loss(outer, hidden [b, T, D], targets [b, T], mask [b, T]) → a pipeline micro-batch's
+    summed loss; targets, positions, segment_ids int32 [B, T], mask fp32 [B, T]. Returns (loss,
+    fp32 gradients like `params`).
 
     Tick t, stage s runs the forward of micro-batch t - s and the backward of micro-batch
-    t - 2(S - 1) + s. The last stage takes the loss and its gradient of a micro-batch right
-    after its forward; a backward recomputes the stage's forward from the input it saved (a
-    ring of 2S - 1 slots). Every stage computes every tick, and a tick without a micro-batch
-    is masked out: under a lax.cond per stage, the collectives of fsdp and tp inside the
-    branches deadlocked XLA's CPU runtime (8 faked devices), so the idle ticks of the warm-up
-    and cool-down cost as much as the others."""
+    t - 2(S - 1) + s; the last stage takes a micro-batch's loss and gradient right after its
+    forward; a backward recomputes the stage's forward from the input it saved (a ring of
+    2S - 1 slots). Idle ticks are masked out, not skipped: under a lax.cond per stage, the fsdp
+    and tp collectives inside the branches deadlocked XLA's CPU runtime (8 faked devices)."""
     stages, count = plan.stages, plan.microbatches
     slots = min(count, 2 * stages - 1)
     run_stage = _stage_runner(net, kernel)
-    outer = {k: v for k, v in params.items() if k != "blocks"}
+    lora = frozen is not None
+    outer = {k: v for k, v in (frozen if lora else params).items() if k != "blocks"}
     arrange, kinds, active = _stage_layers(net, plan)
-    blocks = params["blocks"] if arrange is None else arrange(params["blocks"])
+    in_stage_order = (lambda tree: tree) if arrange is None else arrange
+    blocks = in_stage_order(params["blocks"])
+    frozen_blocks = in_stage_order(frozen["blocks"]) if lora else {}
     xs, embed_vjp = jax.vjp(embed, outer)
 
-    def body(stacked, kinds, active, outer, xs, positions, segment_ids, targets, mask):
-        stage = jax.lax.axis_index(AXIS)
-        xs = _varying(xs)  # read by stage 0 only
-        last = stage == stages - 1
-        # Zeros typed as stage-local, like the loop's values (xs is).
-        zeros_x = jnp.zeros_like(xs[0])
+    def body(weights, kinds, active, outer, xs, positions, segment_ids, targets, mask):
+        (stacked, frozen_stacked), stage = weights, jax.lax.axis_index(AXIS)
+        xs, last = _varying(xs), stage == stages - 1  # xs: read by stage 0 only
+        zeros_x = jnp.zeros_like(xs[0])  # typed as stage-local, like the loop's values (xs is)
         f32 = lambda tree: _varying(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))  # noqa: E731
 
         def forward(stacked, x, index):
             return run_stage(
-                stacked,
+                join_adapters(stacked, frozen_stacked) if lora else stacked,
                 kinds,
                 active,
                 x,
@@ -339,6 +334,8 @@ def one_f_one_b(
             loss, (d_outer, dy) = jax.value_and_grad(head_loss, argnums=(0, 1))(
                 _varying(outer), y, _microbatch(targets, fi), _microbatch(mask, fi)
             )
+            if lora:  # the outer parameters are frozen: no gradient is kept for them
+                d_outer = outer_grads
             loss_sum, outer_grads = _add_where(
                 (loss_sum, outer_grads), (loss, d_outer), last & f_on
             )
@@ -363,7 +360,7 @@ def one_f_one_b(
             zeros_x,
             _varying(jnp.zeros((slots, *xs.shape[1:]), xs.dtype)),
             f32(stacked),
-            f32(outer),
+            f32({} if lora else outer),
             jnp.zeros_like(xs),
             f32(jnp.zeros(())),
         )
@@ -380,7 +377,7 @@ def one_f_one_b(
         axis_names={AXIS},
     )
     stage_grads, outer_grads, dxs, loss = pipelined(
-        blocks,
+        (blocks, frozen_blocks),
         kinds,
         active,
         outer,
@@ -395,6 +392,8 @@ def one_f_one_b(
             lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), params["blocks"]
         )
         (stage_grads,) = jax.linear_transpose(arrange, stored)(stage_grads)
+    if lora:
+        return loss, {"blocks": stage_grads}
     (embed_grads,) = embed_vjp(dxs.reshape(xs.shape))
     outer_grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), outer_grads, embed_grads)
     return loss, {**outer_grads, "blocks": stage_grads}

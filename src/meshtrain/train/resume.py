@@ -14,17 +14,19 @@ from meshtrain.config.resume import compare, flatten, refusal
 from meshtrain.config.schema import Config
 from meshtrain.data.shards import tokenizer_identity
 from meshtrain.errors import ConfigError
+from meshtrain.inference.lora_base import base_identity, compared_bases
 
 log = logging.getLogger(__name__)
 
 
 def run_meta(cfg: Config) -> dict[str, Any]:
-    """What each checkpoint's meta/ records of the run: its config and its tokenizer's identity
-    (None for synthetic data, which has no tokenizer)."""
+    """What each checkpoint's meta/ records of the run: its config, its tokenizer's identity
+    (None for synthetic data, which has no tokenizer) and a LoRA run's base (inference.lora_base)."""
     synthetic = cfg.data.source == "synthetic"
     return {
         "config": asdict(cfg),
         "tokenizer": None if synthetic else tokenizer_identity(cfg.data.tokenizer),
+        "lora_base": base_identity(cfg),
     }
 
 
@@ -68,8 +70,12 @@ def check_resume(
     saved = _compared(meta["config"], meta.get("global_batch"))
     now = _compared(cfg, global_batch)
     saved["data.tokenizer"], now["data.tokenizer"] = _tokenizers(meta, current)
+    if meta.get("lora_base") or current.get("lora_base"):
+        bases = compared_bases(meta.get("lora_base"), current.get("lora_base"))
+        saved["model.lora.base"], now["model.lora.base"] = bases
     changes = compare(saved, now, cfg["checkpoint"]["allow_changes"])
     if any(change.refused for change in changes):
-        raise ConfigError(refusal(changes, str(path)))
+        adapters = bool(meta["config"]["model"].get("lora", {}).get("rank"))
+        raise ConfigError(refusal(changes, str(path), adapters=adapters))
     if changes:
         log.info("resuming with changed settings: %s", ", ".join(map(str, changes)))

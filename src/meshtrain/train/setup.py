@@ -25,6 +25,7 @@ from meshtrain.config.validate import check_against_mesh, check_config, micro_ba
 from meshtrain.data import MixedDataset, TokenDataset, build_datasets
 from meshtrain.distributed.runtime import process_hosts
 from meshtrain.errors import ConfigError
+from meshtrain.inference.lora_base import lora_summary
 from meshtrain.models.abstract import (
     AbstractModel,
     abstract_model,
@@ -44,7 +45,7 @@ from meshtrain.train.gradients import gradient_sync
 from meshtrain.train.optimizer import learning_rate_schedule
 from meshtrain.train.pipeline_plan import PipelinePlan, pipeline_plan
 from meshtrain.train.state import TrainState, abstract_train_state
-from meshtrain.train.step import make_train_step
+from meshtrain.train.step import COMPUTE_DTYPES, make_train_step
 from meshtrain.units import format_flops
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,8 @@ def prepare(
     check_against_mesh(cfg, mesh_spec)
     cfg = with_scan_layers(cfg, mesh_spec)
     mesh = build_mesh(mesh_spec, devices, hosts=process_hosts())
-    model = abstract_model(cfg.model, mesh, mesh_spec)  # shapes only: allocates nothing
+    compute_dtype = COMPUTE_DTYPES[cfg.training.mixed_precision]
+    model = abstract_model(cfg.model, mesh, mesh_spec, compute_dtype)  # shapes: allocates nothing
     micro = micro_batch_size(cfg, mesh_spec)
     pipeline = pipeline_plan(cfg, mesh_spec)
     try:
@@ -166,6 +168,8 @@ def describe(setup: Setup) -> None:
         jax.process_count(),
     )
     log.info("model %s: %s parameters", cfg.model.name, f"{num_params:,}")
+    if setup.model.lora:
+        log.info(lora_summary(cfg.model, setup.model))
     if setup.pipeline is not None:
         log.info(setup.pipeline.describe())
         log.info(
@@ -270,6 +274,8 @@ def inspect_compiled(
             cfg.training, setup.mesh, cfg.model.logical_axis_rules
         ).shards,
         pipeline=None if setup.pipeline is None else setup.pipeline.to_json(),
+        full_model=(setup.model.abstract_params, setup.model.param_shardings),
+        base_dtype=cfg.model.lora.base_dtype,
     )
     lines = plan.log_lines(dry_run=cfg.training.dry_run)
     if cfg.training.profile_communication:

@@ -24,11 +24,12 @@ _STEP_RNG_STREAM = 1 << 20
 class TrainState:
     """Everything a train step changes, and so everything a checkpoint must hold.
 
-    `params` is a nested dict of fp32 arrays (the nnx.Param values of the model); `step` counts
+    `params` is a nested dict of fp32 arrays (the nnx.Param values of the model that train:
+    all of them, or with LoRA the adapters, beside the frozen base in `frozen`); `step` counts
     the train steps taken (batches consumed), skipped updates included. `rng` is the raw data of
     the key that stochastic layers draw from: a layer that needs randomness at step k uses
-    `jax.random.fold_in(jax.random.wrap_key_data(rng), k)`. No layer draws yet; the key is kept,
-    checkpointed and restored so that one that does (dropout) continues exactly after a resume.
+    `jax.random.fold_in(jax.random.wrap_key_data(rng), k)`: LoRA's adapter dropout does. The key
+    is checkpointed and restored, so a resumed run draws exactly what it would have.
     """
 
     step: jax.Array  # int32 []
@@ -36,6 +37,9 @@ class TrainState:
     opt_state: optax.OptState
     rng: jax.Array  # uint32 [2]: jax.random.key_data of the train-step key
     nonfinite: NonfiniteRecord
+    # LoRA: the frozen base (models.frozen), never updated nor checkpointed; `params` then
+    # holds the adapters only. None without LoRA.
+    frozen: Any = None
 
 
 def state_shardings(
@@ -43,20 +47,21 @@ def state_shardings(
 ) -> TrainState:
     """Shardings of the whole train state: Adam's moments follow their parameters."""
     replicated = NamedSharding(mesh, PartitionSpec())
-    abstract_opt_state = jax.eval_shape(tx.init, model.abstract_params)
+    abstract_opt_state = jax.eval_shape(tx.init, model.trainable_params)
     opt_shardings = optax.tree_map_params(
         tx,
         lambda _, sharding: sharding,
         abstract_opt_state,
-        model.param_shardings,
+        model.trainable_shardings,
         transform_non_params=lambda _: replicated,
     )
     return TrainState(
         step=replicated,
-        params=model.param_shardings,
+        params=model.trainable_shardings,
         opt_state=opt_shardings,
         rng=replicated,
         nonfinite=jax.tree.map(lambda _: replicated, initial_record()),
+        frozen=model.frozen_shardings,
     )
 
 
@@ -78,16 +83,19 @@ def create_train_state(
     shardings: TrainState,
     seed: int,
     params: Any = None,
+    frozen: Any = None,
 ) -> TrainState:
     """The train state at step 0, created in its shardings, so each device only ever
     materialises its own shards: random parameters (meshtrain.models.initialization: the same
-    values on every mesh) unless `params` are given (already sharded: loaded by
-    meshtrain.train.initial_weights; they are donated), then the optimizer state around them."""
+    values on every mesh; with LoRA the adapters, as the whole model draws them) unless
+    `params` are given (already sharded: loaded by meshtrain.inference.initial_weights; they are
+    donated), then the optimizer state around them; with LoRA, beside the `frozen` base."""
     options = init_compiler_options(shardings)
     if params is None:
-        params = initial_params(cfg, seed, shardings.params, options)
+        adapters_only = frozen is not None
+        params = initial_params(cfg, seed, shardings.params, options, adapters_only=adapters_only)
     program = state_program(tx, shardings, seed, jax.tree.map(_abstract, params))
-    return program.compile(compiler_options=options)(params)
+    return program.compile(compiler_options=options)(params).replace(frozen=frozen)
 
 
 def _abstract(array: jax.Array) -> jax.ShapeDtypeStruct:
@@ -100,7 +108,9 @@ def state_program(
     """The program that puts a fresh optimizer state and the seed's key around parameters
     (ShapeDtypeStructs with their shardings), which it donates."""
     return jax.jit(
-        lambda p: _state_from_params(p, tx, seed), out_shardings=shardings, donate_argnums=0
+        lambda p: _state_from_params(p, tx, seed),
+        out_shardings=shardings.replace(frozen=None),
+        donate_argnums=0,
     ).lower(abstract_params)
 
 
@@ -113,17 +123,19 @@ def init_compiler_options(shardings: TrainState) -> dict[str, Any]:
 
 
 def split_state(state: TrainState) -> tuple[Any, TrainState]:
-    """(parameters, the rest of the state): the two items of a checkpoint."""
-    return state.params, state.replace(params=None)
+    """(parameters, the rest of the state): the two items of a checkpoint. A LoRA run's frozen
+    base is in neither (its checkpoints name it: inference.lora_base)."""
+    return state.params, state.replace(params=None, frozen=None)
 
 
-def join_state(params: Any, rest: TrainState) -> TrainState:
-    return rest.replace(params=params)
+def join_state(params: Any, rest: TrainState, frozen: Any = None) -> TrainState:
+    return rest.replace(params=params, frozen=frozen)
 
 
 def train_state_shapes(model: AbstractModel, tx: optax.GradientTransformation) -> TrainState:
     """The train state as ShapeDtypeStructs without shardings: its structure, allocating nothing."""
-    return jax.eval_shape(lambda p: _state_from_params(p, tx, 0), model.abstract_params)
+    state = jax.eval_shape(lambda p: _state_from_params(p, tx, 0), model.trainable_params)
+    return state.replace(frozen=model.frozen_params)
 
 
 def abstract_train_state(

@@ -23,6 +23,8 @@ import optax
 from meshtrain.config.schema import MixedPrecision, TrainingConfig
 from meshtrain.models.abstract import AbstractModel, merge_model, without_mesh_axes
 from meshtrain.models.attention import select_attention
+from meshtrain.models.frozen import is_quantized
+from meshtrain.models.lora import AdapterDropout, row_keys, split_adapters
 from meshtrain.models.transformer import default_positions
 from meshtrain.parallel.rules import constrain
 from meshtrain.train.documents import TokenFormat
@@ -48,12 +50,14 @@ def cast_params(model: AbstractModel, params: Any, compute_dtype: jnp.dtype) -> 
     pinned to its parameter's sharding, so FSDP all-gathers move compute-dtype bytes (half of
     fp32 in bf16), not fp32 ones cast after the gather."""
 
-    def cast(param: jax.Array, sharding: jax.sharding.NamedSharding) -> jax.Array:
+    def cast(param: Any, sharding: jax.sharding.NamedSharding) -> Any:
+        if is_quantized(param):  # QLoRA: dequantised to the compute dtype where it is read
+            return param.astype(compute_dtype)
         if param.dtype == compute_dtype:
             return param
         return jax.lax.with_sharding_constraint(param.astype(compute_dtype), sharding)
 
-    return jax.tree.map(cast, params, model.param_shardings)
+    return jax.tree.map(cast, params, model.param_shardings, is_leaf=is_quantized)
 
 
 def token_loss_sum(
@@ -64,17 +68,19 @@ def token_loss_sum(
     token_format: TokenFormat,
     compute_dtype: jnp.dtype,
     pipeline: PipelinePlan | None = None,
+    dropout: AdapterDropout | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Summed cross-entropy over the targets that carry loss, and their count. tokens:
     [B, seq_len + 1].
 
     With document masking (token_format.documents), a token attends only to the earlier tokens
     of its own packed document, at positions that restart with each document. With `pipeline`,
-    the blocks run as its schedule's forward over the pp stages (train.pipeline)."""
+    the blocks run as its schedule's forward over the pp stages (train.pipeline). dropout: the
+    LoRA adapters' (training only; not with a pipeline)."""
     inputs, targets, mask, segment_ids, positions = token_format.read(tokens)
     net = merge_model(model, cast_params(model, params, compute_dtype))
     if pipeline is None:
-        hidden = net.hidden(inputs, positions, segment_ids)
+        hidden = net.hidden(inputs, positions, segment_ids, dropout)
         weight, layout = net.output_weight()
         loss = output_cross_entropy(hidden, weight, layout, targets, mask, rules=net.rules)
         return loss, jnp.sum(mask)
@@ -101,18 +107,23 @@ def one_f_one_b_loss_and_grads(
     model: AbstractModel,
     params: Any,
     tokens: jax.Array,
+    frozen: Any,
     *,
     token_format: TokenFormat,
     compute_dtype: jnp.dtype,
     pipeline: PipelinePlan,
 ) -> tuple[tuple[jax.Array, jax.Array], Any]:
-    """((summed loss, token count), gradients) of token_loss_sum under the 1f1b schedule,
-    which computes the gradients itself (train.pipeline.one_f_one_b)."""
+    """((summed loss, token count), gradients of `params`) of token_loss_sum under the 1f1b
+    schedule, which computes the gradients itself (train.pipeline.one_f_one_b); with LoRA,
+    `params` are the adapters and `frozen` the base."""
     inputs, targets, mask, segment_ids, positions = token_format.read(tokens)
     positions = default_positions(inputs) if positions is None else positions
-    compute_params = cast_params(model, params, compute_dtype)
+    compute_params = cast_params(model, model.full_params(params, frozen), compute_dtype)
     net = merge_model(model, compute_params)
     blocks = compute_params["blocks"]
+    trainable, compute_frozen = (
+        split_adapters(compute_params) if model.lora else (compute_params, None)
+    )
 
     def with_outer(outer: Any) -> Any:
         return merge_model(model, {**outer, "blocks": blocks})
@@ -123,7 +134,7 @@ def one_f_one_b_loss_and_grads(
     kernel, _ = net.attention_kernel(compute_dtype)
     loss, grads = one_f_one_b(
         net,
-        compute_params,
+        trainable,
         lambda outer: with_outer(outer).embed_tokens(inputs),
         head_loss,
         targets,
@@ -132,6 +143,7 @@ def one_f_one_b_loss_and_grads(
         segment_ids,
         pipeline,
         kernel,
+        frozen=compute_frozen,
     )
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return (loss, jnp.sum(mask)), grads
@@ -174,25 +186,31 @@ def make_train_step(
 
     def loss_and_grads(model: AbstractModel) -> LossAndGrads:
         if pipeline is not None and pipeline.schedule == "1f1b":
-            return lambda params, tokens: one_f_one_b_loss_and_grads(
+            return lambda params, tokens, frozen: one_f_one_b_loss_and_grads(
                 model,
                 params,
                 tokens,
+                frozen,
                 token_format=token_format,
                 compute_dtype=compute_dtype,
                 pipeline=pipeline,
             )
-        return jax.value_and_grad(
-            lambda params, tokens: token_loss_sum(
+
+        def loss(params: Any, rows: Any, frozen: Any) -> tuple[jax.Array, jax.Array]:
+            tokens, keys = rows if isinstance(rows, tuple) else (rows, None)
+            return token_loss_sum(
                 model,
-                params,
+                model.full_params(params, frozen),
                 tokens,
                 token_format=token_format,
                 compute_dtype=compute_dtype,
                 pipeline=pipeline,
-            ),
-            has_aux=True,
-        )
+                dropout=None if keys is None else AdapterDropout(keys),
+            )
+
+        # Differentiated with respect to the trainable parameters only: a LoRA run's frozen
+        # base gets no gradient computed at all.
+        return jax.value_and_grad(loss, has_aux=True)
 
     sync = gradient_sync(training, mesh, model.config.logical_axis_rules)
     if sync.grouped:
@@ -201,8 +219,21 @@ def make_train_step(
     else:
         accumulate = implicit_accumulate(loss_and_grads(model), param_shardings)
 
+    dropout = model.config.lora.dropout if model.lora else 0.0
+
+    def with_dropout_keys(state: TrainState, batch: jax.Array) -> Any:
+        """The batch, with LoRA dropout the key of each of its sequences as well: the step's
+        key folded with the sequence's index in the global batch (models.lora.row_keys)."""
+        if not dropout:
+            return batch
+        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        rows = jnp.arange(batch.shape[0] * batch.shape[1], dtype=jnp.int32)
+        keys = row_keys(step_key, rows.reshape(batch.shape[:2]))  # [accum, micro_global, 2]
+        return batch, jax.lax.with_sharding_constraint(keys, batch_sharding)
+
     def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
-        grad_sum, loss_sum, count = accumulate(state.params, batch)
+        rows = with_dropout_keys(state, batch)
+        grad_sum, loss_sum, count = accumulate(state.params, rows, state.frozen)
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grad_sum)
         grad_norm = optax.tree.norm(grads)
@@ -236,23 +267,25 @@ def make_train_step(
 def make_eval_step(
     model: AbstractModel,
     *,
-    param_shardings: Any,
+    state_shardings: TrainState,
     batch_sharding: jax.sharding.NamedSharding,
     token_format: TokenFormat,
     mixed_precision: str,
     pipeline: PipelinePlan | None = None,
-) -> Callable[[Any, jax.Array], tuple[jax.Array, jax.Array]]:
-    """Compiled (params, batch [B, seq_len + 1]) → (summed loss, token count)."""
+) -> Callable[[Any, Any, jax.Array], tuple[jax.Array, jax.Array]]:
+    """Compiled (params, frozen, batch [B, seq_len + 1]) → (summed loss, token count): the
+    train state's parameters, and its frozen base with LoRA (else None)."""
     compute_dtype = COMPUTE_DTYPES[mixed_precision]
 
-    def evaluate(params: Any, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def evaluate(params: Any, frozen: Any, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
         return token_loss_sum(
             model,
-            params,
+            model.full_params(params, frozen),
             batch,
             token_format=token_format,
             compute_dtype=compute_dtype,
             pipeline=pipeline,
         )
 
-    return jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding))
+    shardings = (state_shardings.params, state_shardings.frozen, batch_sharding)
+    return jax.jit(evaluate, in_shardings=shardings)

@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from meshtrain.checkpoint.layout import CorruptCheckpoint, read_meta, read_params
 from meshtrain.checkpoint.manager import read_newest
 from meshtrain.checkpoint.sources import check_params, checkpoints_at
 from meshtrain.config.schema import Config
 from meshtrain.hf.load import check_init_from, checkpoint_dir, checkpoint_summary, load_params
+from meshtrain.hf.peft import check_peft
 from meshtrain.models.abstract import AbstractModel
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,8 @@ def check_initial_weights(cfg: Config, model: AbstractModel, *, resuming: bool) 
     checkpoint is always checked; checkpoint.load_params only when the run does not resume."""
     if cfg.model.init_from is not None:
         check_init_from(cfg.model)
+    if cfg.model.lora.init_from is not None and not resuming:
+        check_peft(cfg.model)
     if resuming or not cfg.checkpoint.load_params:
         return
     # The newest candidate with a readable description; damaged ones are reported and
@@ -39,22 +43,27 @@ def check_initial_weights(cfg: Config, model: AbstractModel, *, resuming: bool) 
     for path in checkpoints_at(LOAD_PARAMS, cfg.checkpoint.load_params):
         try:
             read_meta(path)
-            check_params(LOAD_PARAMS, path, model.abstract_params)
+            check_params(LOAD_PARAMS, path, model.base_params)
         except CorruptCheckpoint:
             continue
         return
 
 
-def load_initial_params(cfg: Config, model: AbstractModel, *, checkpoint_dir_of_run: Path) -> Any:
-    """The parameters a fresh run starts from, already sharded; None for a random init.
+def load_initial_params(
+    cfg: Config, model: AbstractModel, *, checkpoint_dir_of_run: Path | None, hf_dtype: Any = None
+) -> Any:
+    """The parameters a fresh run starts from, already sharded; None for a random init. With
+    LoRA, those of the base (every parameter but the adapters).
 
-    `checkpoint_dir_of_run`: damaged checkpoints found there are moved aside (as on resume).
+    `checkpoint_dir_of_run`: damaged checkpoints found there are moved aside (as on resume);
+    None outside a run.
+    hf_dtype: the dtype a Hugging Face checkpoint is read in (default fp32).
     """
     if cfg.checkpoint.load_params:
         target = jax.tree.map(
             lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-            model.abstract_params,
-            model.param_shardings,
+            model.base_params,
+            model.base_shardings,
         )
         (params, meta), path = read_newest(
             checkpoints_at(LOAD_PARAMS, cfg.checkpoint.load_params),
@@ -70,7 +79,13 @@ def load_initial_params(cfg: Config, model: AbstractModel, *, checkpoint_dir_of_
         return params
     if cfg.model.init_from is not None:
         directory = checkpoint_dir(cfg.model.init_from)
-        params = load_params(directory, cfg.model, model.abstract_params, model.param_shardings)
+        params = load_params(
+            directory,
+            cfg.model,
+            model.base_params,
+            model.base_shardings,
+            dtype=hf_dtype or jnp.float32,
+        )
         log.info(
             "parameters from %s (%s); the optimizer, step and data position start fresh",
             cfg.model.init_from,

@@ -1,0 +1,138 @@
+"""A LoRA run's frozen base (model.lora): where it comes from, its identity, and the line that
+says what trains.
+
+The base is read at every start, fresh or resumed, from the same place as a full fine-tune's
+initial weights (model.init_from=hf:DIR, checkpoint.load_params, else the seed's random init),
+then stored as model.lora.base_dtype says (models.frozen). Checkpoints hold the adapters and
+their optimizer state only; their meta/ records the base's identity (`base_identity`: where it
+came from and the sha256 of its files), which a resume compares by content as
+`model.lora.base`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from meshtrain.config.lora import target_projections
+from meshtrain.config.schema import Config, ModelConfig
+from meshtrain.errors import ConfigError
+from meshtrain.hf.load import checkpoint_dir
+from meshtrain.hf.peft import load_peft
+from meshtrain.inference.initial_weights import load_initial_params
+from meshtrain.models.abstract import AbstractModel
+from meshtrain.models.frozen import is_quantized, store_base
+from meshtrain.models.initialization import initial_params
+from meshtrain.models.lora import split_adapters
+from meshtrain.models.quantize import storage_bytes
+from meshtrain.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+
+def load_frozen_base(
+    cfg: Config, model: AbstractModel, *, checkpoint_dir_of_run: Path | None = None
+) -> Any:
+    """The frozen base in its stored form and shardings (model.frozen_params).
+    checkpoint_dir_of_run: as in load_initial_params (None outside a run)."""
+    dtype = jax.tree.leaves(model.frozen_params, is_leaf=is_quantized)[0].dtype
+    base = load_initial_params(
+        cfg, model, checkpoint_dir_of_run=checkpoint_dir_of_run, hf_dtype=dtype
+    )
+    if base is None:
+        full = initial_params(cfg.model, cfg.training.seed, model.param_shardings)
+        base = split_adapters(full)[1]
+        log.info("LoRA base: the random init of training.seed=%d", cfg.training.seed)
+    return store_base(base, model.frozen_params, model.frozen_shardings)
+
+
+def initial_adapters(cfg: Config, model: AbstractModel) -> Any:
+    """A fresh LoRA run's adapters: read from model.lora.init_from (a PEFT adapter), else None
+    (drawn: A random, B zero, by train.state.create_train_state)."""
+    if cfg.model.lora.init_from is None:
+        return None
+    adapters = load_peft(cfg.model, model.trainable_params, model.trainable_shardings)
+    log.info("LoRA adapters from %s", cfg.model.lora.init_from)
+    return adapters
+
+
+def _files_sha256(root: Path) -> str:
+    """sha256 over the relative names and contents of every file under `root`, in order."""
+    digest = hashlib.sha256()
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    for path in files:
+        digest.update(str(path.relative_to(root) if path != root else path.name).encode())
+        with path.open("rb") as f:
+            while block := f.read(1 << 22):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def check_base_unchanged(cfg: Config, saved: dict[str, Any] | None, where: Path) -> None:
+    """ConfigError unless the base `cfg` names is the one the adapters at `where` were trained
+    on (`saved`: the identity their checkpoint recorded)."""
+    current = base_identity(cfg)
+    if saved is None or current is None or saved["sha256"] == current["sha256"]:
+        return
+    raise ConfigError(
+        f"{where} holds LoRA adapters trained on {saved['source']} (sha256 "
+        f"{saved['sha256'][:12]}), but its files now hash to {current['sha256'][:12]}: the "
+        "base has changed; put the original base back at that path"
+    )
+
+
+def base_identity(cfg: Config) -> dict[str, Any] | None:
+    """Where a LoRA run's base comes from and the sha256 of its files; None without LoRA. A
+    random base is named by its seed (training.seed, which a resume compares anyway)."""
+    if cfg.model.lora.rank == 0:
+        return None
+    if cfg.checkpoint.load_params:
+        source = f"checkpoint.load_params={cfg.checkpoint.load_params}"
+        return {"source": source, "sha256": _files_sha256(Path(cfg.checkpoint.load_params))}
+    if cfg.model.init_from is not None:
+        directory = checkpoint_dir(cfg.model.init_from)
+        return {"source": cfg.model.init_from, "sha256": _files_sha256(directory)}
+    return {"source": f"random init, training.seed={cfg.training.seed}", "sha256": None}
+
+
+def compared_bases(saved: dict | None, current: dict | None) -> tuple[str, str]:
+    """(saved, current) model.lora.base as a resume compares them: equal where the contents
+    are (a base that moved), told apart by their sources, or by their contents."""
+    if saved is None or current is None:
+        return str(saved and saved["source"]), str(current and current["source"])
+    if saved["sha256"] == current["sha256"] and saved["source"].startswith("random") == (
+        current["source"].startswith("random")
+    ):
+        return current["source"], current["source"]
+    if saved["source"] == current["source"]:
+        return f"{saved['source']} (sha256 {saved['sha256'][:12]})", (
+            f"{current['source']} (other contents, sha256 {current['sha256'][:12]})"
+        )
+    return saved["source"], current["source"]
+
+
+def lora_summary(cfg: ModelConfig, model: AbstractModel) -> str:
+    """The start-up line: the adapters, how many parameters train, how the base is stored."""
+    lora = cfg.lora
+    count = lambda tree: sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))  # noqa: E731
+    trainable, total = count(model.trainable_params), count(model.abstract_params)
+    frozen = jax.tree.leaves(model.frozen_params, is_leaf=is_quantized)
+    stored = sum(map(_stored_bytes, frozen))
+    return (
+        f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(target_projections(lora.targets))}: "
+        f"{trainable:,} trainable parameters ({100 * trainable / total:.2f}% of {total:,}); "
+        f"the base is frozen, stored as {lora.base_dtype}"
+        + (f" (blocks of {lora.quant_block})" if lora.base_dtype in ("int8", "nf4") else "")
+        + f": {format_bytes(stored)}"
+    )
+
+
+def _stored_bytes(leaf: Any) -> int:
+    if is_quantized(leaf):
+        return storage_bytes(leaf.shape, leaf.format, leaf.block, leaf.axis)
+    return math.prod(leaf.shape) * leaf.dtype.itemsize

@@ -1,0 +1,90 @@
+"""`python -m meshtrain.eval`: bad input is one line and exit code 2, before any model loads;
+the results JSON lands in the run directory (or --output) with the metrics evaluate_in_place
+computes, and the harness's table is printed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers.harness import EXAMPLE_TASKS, MAX_LENGTH, METRICS, TASKS, write_tiny_llama
+from helpers.process import run_python
+
+import meshtrain
+from meshtrain.cli.eval import default_output
+
+KEYS = (
+    "checkpoint, tokenizer, mesh_shape, dtype, max_length, batch_tokens, add_bos_token, "
+    "max_gen_toks"
+)
+
+
+def _error(result) -> str:
+    assert result.returncode == 2, result.stderr[-3000:]
+    return result.stderr.strip().splitlines()[-1]
+
+
+def test_bad_input_is_one_line(tmp_path):
+    missing = tmp_path / "nope"
+    result = run_python("-m", "meshtrain.eval", missing, "--tasks", "meshtrain_choice")
+    assert _error(result) == (
+        f"meshtrain: error: {missing} is not a directory; pass a meshtrain checkpoint (or its run "
+        "directory), an export or a Hugging Face checkpoint directory (config.json, "
+        "*.safetensors)"
+    )
+    result = run_python(
+        "-m", "meshtrain.eval", tmp_path, "--tasks", "t", "--model-args", "batch_tokenz=8"
+    )
+    assert _error(result) == (
+        "meshtrain: error: model_args key 'batch_tokenz' does not exist (did you mean "
+        f"'batch_tokens'?); the keys are {KEYS}"
+    )
+
+
+def test_results_go_into_the_run_directory(tmp_path):
+    run = tmp_path / "run"
+    for step in (100, 200):
+        for item in ("params", "meta"):
+            (run / "checkpoints" / str(step) / item).mkdir(parents=True)
+    assert default_output(run) == run / "eval" / "step_200.json"
+    assert default_output(run / "checkpoints" / "100") == run / "eval" / "step_100.json"
+    assert default_output(tmp_path) == tmp_path / "eval" / "results.json"
+
+
+@pytest.mark.slow  # lm-eval indexes its own 14,000 tasks to tell they lack it: ~10 s
+def test_an_unknown_task_is_one_line(tmp_path):
+    pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
+    args = ("--tasks", "meshtrain_choise", "--include-path", EXAMPLE_TASKS)
+    result = run_python("-m", "meshtrain.eval", tmp_path, *args)
+    assert _error(result) == (
+        "meshtrain: error: task 'meshtrain_choise' does not exist (did you mean "
+        f"'meshtrain_choice'?) in lm-eval's tasks or {EXAMPLE_TASKS}; list them with "
+        "`lm-eval ls tasks`, or add --include-path DIR"
+    )
+
+
+@pytest.mark.slow  # a child process that loads JAX, lm-eval and the model: ~20 s
+def test_the_command_writes_the_harness_results(tmp_path):
+    pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
+    from meshtrain.harness.run import evaluate_in_place
+
+    checkpoint = write_tiny_llama(tmp_path / "llama")
+    args = ("--tasks", ",".join(TASKS), "--include-path", EXAMPLE_TASKS, "--limit", "4")
+    result = run_python("-m", "meshtrain.eval", checkpoint, *args, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = checkpoint / "eval" / "results.json"
+    assert result.stdout.strip().splitlines()[-1] == f"results: {output}"
+    assert "|meshtrain_choice    |      1|none  |     0|acc" in result.stdout
+    results = json.loads(output.read_text())
+    assert results["config"]["model"] == "meshtrain"
+    assert results["config"]["max_length"] == MAX_LENGTH  # the checkpoint's
+    assert sorted(results["n-samples"]) == sorted(TASKS)
+    model, tokenizer = meshtrain.load_hf(checkpoint), meshtrain.build_tokenizer(str(checkpoint))
+    expected = evaluate_in_place(
+        model, tokenizer, TASKS, limit=4, include_path=[EXAMPLE_TASKS], max_length=MAX_LENGTH
+    )
+    for task, names in METRICS.items():
+        for name in names:
+            assert results["results"][task][f"{name},none"] == pytest.approx(
+                expected[task][name], rel=1e-6
+            )

@@ -1,0 +1,112 @@
+"""meshtrain's harness model against lm-eval's own `hf` model (transformers, PyTorch, CPU) on the
+same tiny random Llama and the local tasks: the same log-likelihood for every request (1e-4
+relative), the same greedy flags, generations and task metrics; and its generate_until against
+transformers' greedy generate with the same stop strings. Slow: they need torch (parity extra).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers.harness import EXAMPLE_TASKS, MAX_LENGTH, METRICS, TASKS, write_tiny_llama
+
+pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
+
+from meshtrain.harness.lm import MeshtrainLM
+from meshtrain.harness.run import evaluate_tasks, task_manager
+
+pytestmark = pytest.mark.slow
+RELATIVE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    # Its tokenizer.json adds <bos> (as Llama 3's does): both models start each request with it.
+    return write_tiny_llama(tmp_path_factory.mktemp("llama"), bos=True)
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoint):
+    return MeshtrainLM(checkpoint=str(checkpoint), batch_tokens=1024)
+
+
+@pytest.fixture(scope="module")
+def both(checkpoint, ours):
+    from lm_eval.models.huggingface import HFLM
+
+    theirs = HFLM(pretrained=str(checkpoint), dtype="float32", device="cpu", batch_size=8)
+    assert theirs.max_length == ours.max_length == MAX_LENGTH
+    manager = task_manager(TASKS, [EXAMPLE_TASKS])
+    return [
+        evaluate_tasks(lm, manager, TASKS, bootstrap_iters=0, log_samples=True)
+        for lm in (ours, theirs)
+    ]
+
+
+def _responses(results, task):
+    """Each request's response in document order: (logprob, greedy), a logprob or a text."""
+    return [response[0] for doc in results["samples"][task] for response in doc["resps"]]
+
+
+def test_every_request_scores_the_same(both):
+    ours, theirs = both
+    for task in ("meshtrain_choice", "meshtrain_perplexity"):
+        mine, reference = _responses(ours, task), _responses(theirs, task)
+        assert len(mine) == len(reference) >= 8
+        if task == "meshtrain_choice":  # (log-likelihood, every token greedy) per choice
+            assert [g for _, g in mine] == [g for _, g in reference]
+            mine, reference = [s for s, _ in mine], [s for s, _ in reference]
+        np.testing.assert_allclose(mine, reference, rtol=RELATIVE)
+    generated = _responses(ours, "meshtrain_generate")
+    assert generated == _responses(theirs, "meshtrain_generate") and all(generated)
+
+
+def test_the_task_metrics_are_the_same(both):
+    ours, theirs = both
+    for task, names in METRICS.items():
+        for name in names:
+            key = f"{name},none"
+            assert ours["results"][task][key] == pytest.approx(
+                theirs["results"][task][key], rel=RELATIVE
+            ), (task, name)
+
+
+def test_generate_until_is_transformers_greedy_generation_with_its_stop_strings(checkpoint, ours):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    greedy = dict(do_sample=False, eos_token_id=2, pad_token_id=0)
+    checked = 0
+    prompts = (
+        "def function_5(value):",
+        "The capital of France is",
+        "2 + 2 =",
+        "import json",
+        "Count: one, two, three,",
+        "return value * 7 + len(",
+        "The quick brown fox",
+    )
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids  # <bos> + the prompt
+        assert ids[0, 0] == 1 and ours.tok_encode(prompt) == ids[0].tolist()
+        with torch.no_grad():
+            free = model.generate(ids, max_new_tokens=16, **greedy)[0, ids.shape[1] :]
+        # A stop string it writes a few tokens in: printable (transformers matches stop strings
+        # on its tokens' strings, where a lone byte of a UTF-8 character is no text).
+        pieces = [tokenizer.decode(free[j : j + 1]) for j in range(3, 12)]
+        stops = [p for p in pieces if p.strip() and p.isascii() and p.isprintable()]
+        if not stops:
+            continue
+        stop = stops[0]
+        with torch.no_grad():
+            stopped = model.generate(
+                ids, max_new_tokens=16, stop_strings=[stop], tokenizer=tokenizer, **greedy
+            )[0, ids.shape[1] :]
+        assert len(stopped) < 16  # transformers stopped at the stop string
+        expected = tokenizer.decode(stopped, skip_special_tokens=True).split(stop)[0]
+        request = type("Request", (), {"args": (prompt, {"until": [stop], "max_gen_toks": 16})})
+        assert ours.generate_until([request()], disable_tqdm=True) == [expected]
+        checked += 1
+    assert checked >= 5  # 6 of the 7 write a printable stop string

@@ -1,0 +1,147 @@
+"""A LoRA run out of the loop: generation with the adapters unmerged, the PEFT export read back
+as model.lora.init_from (bit for bit), the merged export holding W + alpha/r·A·B, and the one
+line for each export or adapter that cannot be."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from helpers import tiny_hf
+from helpers.config import compose_config
+from helpers.paths import REPO
+from helpers.runs import train_tiny
+from helpers.tiny_hf import TOKENS
+from helpers.tiny_tokenizers import train_bpe
+from safetensors.numpy import load_file
+
+import meshtrain
+from meshtrain.checkpoint import named_leaves, read_params
+from meshtrain.errors import ConfigError
+from meshtrain.hf.peft import check_peft, load_peft
+from meshtrain.inference.export import ExportError, export
+from meshtrain.inference.load import load_safetensors_export
+from meshtrain.train.setup import prepare
+
+LORA = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[q,v,o,down]")
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """Two steps of LoRA on a tiny Hugging Face Llama (with its tokenizer) and the exports."""
+    root = tmp_path_factory.mktemp("lora")
+    base = tiny_hf.write_checkpoint("llama", root / "base")
+    train_bpe(base, vocab_size=tiny_hf.VOCAB)
+    train_tiny(
+        root / "run",
+        *tiny_hf.overrides("llama", base),
+        "data=synthetic",
+        f"data.seq_len={tiny_hf.SEQ_LEN}",
+        "model.mesh_shape=[[1,1],[fsdp,tp]]",
+        "training.steps=2",
+        "training.learning_rate=0.02",
+        "training.warmup_steps=1",
+        "training.eval_every=0",
+        f"data.tokenizer={base}/tokenizer.json",
+        *LORA,
+        devices=1,
+    )
+    export(root / "run", root / "adapter", "peft")
+    export(root / "run", root / "merged", "safetensors", merge=True)
+    export(root / "run", root / "merged_orbax", "orbax", merge=True)
+    return root
+
+
+def _config(root, *extra):
+    return compose_config(
+        *tiny_hf.overrides("llama", root / "base"),
+        "data=synthetic",
+        "model.mesh_shape=[[1,1],[fsdp,tp]]",
+        *LORA,
+        f"model.lora.init_from=peft:{root / 'adapter'}",
+        *extra,
+    )
+
+
+def test_the_peft_export_reads_back_bit_for_bit(lora_run):
+    saved = named_leaves(read_params(lora_run / "run" / "checkpoints" / "2")[0])
+    config = json.loads((lora_run / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8
+    assert config["target_modules"] == ["q_proj", "v_proj", "o_proj", "down_proj"]
+    tensors = load_file(lora_run / "adapter" / "adapter_model.safetensors")
+    q_a = tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"]
+    np.testing.assert_array_equal(q_a, saved["blocks.1.attn.q_lora_a"].T)  # [r, in]
+    assert tensors["base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight"].shape == (
+        4,
+        64,
+    )
+    cfg = _config(lora_run)
+    check_peft(cfg.model)
+    setup = prepare(cfg, jax.devices()[:1], with_data=False)
+    adapters = load_peft(cfg.model, setup.model.trainable_params, setup.model.trainable_shardings)
+    loaded = named_leaves(jax.device_get(adapters))
+    assert loaded.keys() == saved.keys()
+    for name, value in saved.items():
+        np.testing.assert_array_equal(loaded[name], value, err_msg=name)
+
+
+def test_the_merged_export_holds_each_weight_plus_its_adapter(lora_run):
+    saved = named_leaves(read_params(lora_run / "run" / "checkpoints" / "2")[0])
+    merged = load_file(lora_run / "merged" / "model.safetensors")
+    base = load_file(lora_run / "base" / "model.safetensors")
+    w = base["model.layers.1.mlp.down_proj.weight"].T  # ours: [F, D]
+    a, b = saved["blocks.1.mlp.down_lora_a"], saved["blocks.1.mlp.down_lora_b"]
+    np.testing.assert_allclose(merged["blocks.1.mlp.down"], w + 2.0 * a @ b, rtol=1e-6, atol=1e-7)
+    assert not [name for name in merged if "_lora_" in name]
+    config = json.loads((lora_run / "merged" / "config.json").read_text())
+    assert config["model"]["lora"]["rank"] == 0  # a plain model
+    ours = np.asarray(meshtrain.load_checkpoint(lora_run / "run")(TOKENS))
+    plain = np.asarray(load_safetensors_export(lora_run / "merged")(TOKENS))
+    assert tiny_hf.relative_error(plain, ours) <= 1e-5
+
+
+def test_generation_runs_with_the_adapters_unmerged(lora_run):
+    model = meshtrain.load_checkpoint(lora_run / "run")
+    merged = load_safetensors_export(lora_run / "merged")
+    tokenizer = meshtrain.build_tokenizer(str(lora_run / "base"))
+    ours = meshtrain.generate(model, tokenizer, tiny_hf.PROMPT, max_new_tokens=8)
+    assert ours == meshtrain.generate(merged, tokenizer, tiny_hf.PROMPT, max_new_tokens=8)
+    assert model.blocks[0].attn.q_lora_a is not None
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ("model.lora.rank=8",),
+            "the adapter has rank 4 but model.lora.rank is 8; set model.lora.rank=4",
+        ),
+        (
+            ("model.lora.targets=[q,v]",),
+            "the adapter has targets ['q', 'v', 'o', 'down'] but model.lora.targets is ['q', "
+            "'v']; set model.lora.targets=[q,v,o,down]",
+        ),
+        (
+            ("model.d_model=32", "model.num_heads=2", "model.mlp_dim=64"),
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight is (4, 64), "
+            "the model (llama3_8b) needs [4, 32]; the adapter was trained on another "
+            "architecture or size",
+        ),
+    ],
+)
+def test_an_adapter_that_does_not_fit_is_one_line(lora_run, extra, message):
+    with pytest.raises(ConfigError) as err:
+        check_peft(_config(lora_run, *extra).model)
+    assert str(err.value) == f"model.lora.init_from='peft:{lora_run / 'adapter'}': {message}"
+    if "targets" not in message:  # the others are listed in docs/finetuning.md
+        line = f"meshtrain: error: model.lora.init_from='peft:/adapters/a': {message}\n"
+        assert line in (REPO / "docs" / "finetuning.md").read_text()
+
+
+def test_exports_that_cannot_be_are_one_line(lora_run, tmp_path):
+    with pytest.raises(ExportError, match="holds LoRA adapters only; add --merge"):
+        export(lora_run / "run", tmp_path / "a", "hf")
+    with pytest.raises(ExportError, match="--format peft writes the adapters alone; drop --merge"):
+        export(lora_run / "run", tmp_path / "b", "peft", merge=True)
+    with pytest.raises(ExportError, match="holds no LoRA adapters"):
+        export(lora_run / "merged_orbax", tmp_path / "c", "peft")

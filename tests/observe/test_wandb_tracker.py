@@ -1,0 +1,15 @@
+"""The W&B tracker's settings: logging.wandb first, then W&B's own environment.
+(tests/observe/test_trackers.py runs it for real, offline.)"""
+
+import pytest
+
+wandb_tracker = pytest.importorskip("meshtrain.observe.wandb_tracker")
+WandbConfig = wandb_tracker.WandbConfig
+
+
+def test_the_project_is_the_key_else_wandbs_variable_else_meshtrain():
+    assert wandb_tracker.project_name(WandbConfig(project="mine"), {"WANDB_PROJECT": "env"}) == (
+        "mine"
+    )
+    assert wandb_tracker.project_name(WandbConfig(), {"WANDB_PROJECT": "env"}) == "env"
+    assert wandb_tracker.project_name(WandbConfig(), {}) == "meshtrain"
