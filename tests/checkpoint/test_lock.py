@@ -106,6 +106,7 @@ CONFIG = (
 )
 
 
+@pytest.mark.slow  # two training processes, about 12 s
 def test_a_second_run_in_the_same_directory_is_refused_and_the_first_goes_on(tmp_path):
     run_dir = tmp_path / "run"
     env = subprocess_env(1)

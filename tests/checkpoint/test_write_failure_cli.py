@@ -117,6 +117,7 @@ def _resume(run_dir: Path, *overrides: str) -> str:
     return result.stdout
 
 
+@pytest.mark.slow  # three training processes, about 12 s
 def test_a_directory_made_read_only_mid_run_stops_in_one_line_and_resumes(
     tmp_path, file_modes_apply
 ):
@@ -214,6 +215,7 @@ def _fill(disk: Path) -> Path:
     return filler
 
 
+@pytest.mark.slow  # three training processes, about 12 s
 def test_a_full_disk_stops_in_one_line_and_the_run_resumes_once_it_has_room(tmp_path, small_disk):
     run_dir = tmp_path / "run"
     overrides = ("training.steps=15", "checkpoint.keep=1", f"checkpoint.dir={small_disk}")

@@ -39,6 +39,7 @@ def _run(tmp_path, base, *extra):
     )
 
 
+@pytest.mark.slow  # two 4-step runs and four evaluations, about 11 s
 def test_harness_metrics_at_their_steps_and_the_same_losses(tmp_path):
     base = write_tiny_llama(tmp_path / "base")
     harness = (
@@ -86,6 +87,7 @@ def test_bad_harness_keys_are_one_line(overrides, message):
     assert str(err.value) == message
 
 
+@pytest.mark.slow  # lm-eval's task index, about 7 s
 def test_an_unknown_task_stops_the_run_before_it_trains(tmp_path):
     base = write_tiny_llama(tmp_path / "base")
     with pytest.raises(ConfigError, match="nosuchtask"):

@@ -96,7 +96,7 @@ def _relative(ours, theirs):
 
 MESHES = [
     pytest.param("[[1,1],[fsdp,tp]]", 1, (), id="1x1", marks=pytest.mark.slow),
-    pytest.param("[[4,2],[fsdp,tp]]", 8, (), id="fsdp4-tp2"),
+    pytest.param("[[4,2],[fsdp,tp]]", 8, (), id="fsdp4-tp2", marks=pytest.mark.slow),
     pytest.param("[[2,2,2],[pp,fsdp,tp]]", 8, (), id="pp2-gpipe", marks=pytest.mark.slow),
     pytest.param(
         "[[2,2,2],[pp,fsdp,tp]]",
