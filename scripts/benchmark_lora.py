@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.common import REPO, child_env, compose, machine, progress
+from bench.common import REPO, child_env, compose, progress, write_results
 
 MODES = {
     "full": [],
@@ -162,13 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     for result in results:
         print(json.dumps(result))
     if args.json:
-        document = {
-            "machine": machine(),
-            "date": time.strftime("%Y-%m-%d"),
-            "load_average_1min": [load_before, os.getloadavg()[0]],  # at the start, at the end
-            "results": results,
-        }
-        Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
+        write_results(args.json, results, load_before)
 
 
 if __name__ == "__main__":

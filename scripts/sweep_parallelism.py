@@ -5,10 +5,10 @@ before anything is compiled. No combination may abort, hang or print a C++ stack
 
     python scripts/sweep_parallelism.py [--cases N] [--all] [--only TEXT] [--skip TEXT] [--json]
 
-The product: every layout of 8 devices over 2 or 3 of the axes dp, pp, fsdp, tp (16 meshes) ×
+The product: every layout of 8 devices over 2 or 3 of the axes dp, pp, fsdp, cp, tp (30 meshes) ×
 the schedules that apply (none without pp; gpipe, circular and 1f1b with it) × the global batch
 (the smallest the mesh accepts, and 2× or 4× it) × accumulation 1 and 2 × remat none and full,
-with the layers in a scan: 272 cases. Without --all, N of them (default 40): every mesh and
+with the layers in a scan: 464 cases (cp with pp is refused in one line). Without --all, N of them (default 40): every mesh and
 schedule once, the other settings rotating, then a seeded sample of the rest; the list is
 printed first; --only keeps the cases whose line contains TEXT (e.g. '[pp,fsdp]' or
 '1f1b'), --skip (repeatable) drops them. The model is the tiny one with 4 layers of alternating local and global attention
@@ -38,7 +38,7 @@ os.environ["XLA_FLAGS"] = (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-AXES = ("dp", "pp", "fsdp", "tp")
+AXES = ("dp", "pp", "fsdp", "cp", "tp")
 MODEL = (
     "model.num_layers=4",
     "model.scan_layers=true",

@@ -91,6 +91,20 @@ def machine() -> str:
     return f"{_cpu_model()}, {cores} cores{ram}, {platform.system()} {platform.release()}"
 
 
+def write_results(path: str, results: list[dict[str, Any]], load_before: float) -> None:
+    """The results of a run as JSON at `path`, with the machine, the date and the 1-minute load
+    average at the start and at the end."""
+    import json
+
+    document = {
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "load_average_1min": [load_before, os.getloadavg()[0]],  # at the start, at the end
+        "results": results,
+    }
+    Path(path).write_text(json.dumps(document, indent=2) + "\n")
+
+
 def stamp(result: dict[str, Any], argv: list[str], script: str = "benchmark.py") -> dict[str, Any]:
     """`result` with the machine, the date and the command (`python scripts/<script> <argv>`)."""
     return {

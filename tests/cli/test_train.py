@@ -28,7 +28,7 @@ from helpers.process import assert_one_line_error, run_training, subprocess_env
         ),
         (
             'model.mesh_shape=[[4,2],["data","tp"]]',
-            "unknown axis 'data'; known axes are dp, pp, fsdp, tp",
+            "unknown axis 'data'; known axes are dp, pp, fsdp, cp, tp",
         ),
         ("model.mesh_shape=[[4,2,1],[fsdp,tp]]", "has 3 sizes but 2 axis names"),
         (

@@ -35,10 +35,23 @@ def is_slow(line: str) -> bool:
     dp examples take 15 to 17 s (tests/train/test_loop.py checks those meshes by default), as
     do the circular and uneven pipeline examples (tests/train/test_pipeline.py) and the
     sync_gradients_every example (11 s; tests/train/test_gradients.py), and the multirun
-    example (7 s: two runs)."""
+    example (7 s: two runs); so are the fsdp, hybrid, 1f1b and cp examples whose meshes the
+    training tests check by default (4 to 8 s each, to keep the default suite in 10 minutes)."""
     planning = "model=gemma3_27b" in line and "data.seq_len=4096" in line
-    slow_meshes = ('[[1,4],["fsdp","tp"]]', '[[2,4],["dp","fsdp"]]')
+    slow_meshes = (
+        '[[1,4],["fsdp","tp"]]',
+        '[[2,4],["dp","fsdp"]]',
+        # 4 to 8 s each; tests/train/test_loop.py, test_pipeline.py and
+        # test_context_parallel.py check these meshes by default
+        '[[4,1],["fsdp","tp"]]',
+        "[[4,1],[fsdp,tp]]",
+        '[[8,1],["fsdp","tp"]]',
+        '[[4,2],["fsdp","tp"]]',
+        '[[-1,1],["fsdp","tp"]]',
+        '[[4,2],["cp","fsdp"]]',
+    )
     slow_keys = (
+        "schedule=1f1b",
         "schedule=circular",
         "layers_per_stage=",
         "sync_gradients_every=",

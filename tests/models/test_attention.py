@@ -17,11 +17,10 @@ from meshtrain.config import ModelConfig
 from meshtrain.config.validate import check_config
 from meshtrain.errors import ConfigError
 from meshtrain.models import attention as attention_module
-from meshtrain.models.attention import (
-    WindowOfKind,
+from meshtrain.models.attention import WindowOfKind, dot_product_attention
+from meshtrain.models.attention_choice import (
     cudnn_head_dim_limit,
     cudnn_unsupported,
-    dot_product_attention,
     select_attention,
 )
 from meshtrain.models.transformer import Transformer

@@ -199,7 +199,8 @@ def test_scan_and_remat_train_like_the_plain_model_on_a_sharded_mesh(tmp_path):
     )
     q = levers.state.params["blocks"]["attn"]["q"]  # [layers, D, N, H], layers replicated
     assert q.shape == (2, CFG.d_model, CFG.num_heads, CFG.head_dim)
-    assert q.sharding.spec == PartitionSpec("pp", "fsdp", "tp", None)  # layers: pp (size 1)
+    # layers: pp, of size 1 on this mesh, so written as None (parallel.rules.named_shardings)
+    assert q.sharding.spec == PartitionSpec(None, "fsdp", "tp", None)
     # The stacked norm scales ([layers, D]) are spared weight decay like the plain model's.
     np.testing.assert_allclose(
         levers.state.params["blocks"]["mlp_norm"]["scale"][1],

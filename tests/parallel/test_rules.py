@@ -20,9 +20,12 @@ RULES = DEFAULT_LOGICAL_AXIS_RULES
 
 
 def test_logical_to_spec_megatron_layout():
-    assert logical_to_spec(("embed", "heads", "head_dim"), RULES) == P("fsdp", "tp", None)
-    assert logical_to_spec(("mlp", "embed"), RULES) == P("tp", "fsdp")
-    assert logical_to_spec(("vocab", "embed"), RULES) == P("tp", "fsdp")
+    # The model dimension on fsdp and cp (context parallelism shards weights as fsdp does).
+    fsdp_cp = ("fsdp", "cp")
+    assert logical_to_spec(("embed", "heads", "head_dim"), RULES) == P(fsdp_cp, "tp", None)
+    assert logical_to_spec(("mlp", "embed"), RULES) == P("tp", fsdp_cp)
+    assert logical_to_spec(("vocab", "embed"), RULES) == P("tp", fsdp_cp)
+    assert logical_to_spec(("batch", "length", None), RULES) == P(("dp", "fsdp"), "cp", None)
     assert logical_to_spec(("norm",), RULES) == P(None)
     assert logical_to_spec((None, "batch", None), RULES) == P(None, ("dp", "fsdp"), None)
 

@@ -65,11 +65,13 @@ def choices(literal: Any) -> tuple[str, ...]:
 
 
 # Logical axis name → mesh axes (None: replicated). Megatron-style: heads and the MLP hidden
-# size on tp, the model dimension on fsdp, the batch on every batch-sharding axis.
+# size on tp, the model dimension on fsdp, the batch on every batch-sharding axis; the sequence
+# on cp (context parallelism, meshtrain.parallel.context), whose devices also shard the weights
+# as fsdp does (they would otherwise each hold them whole).
 DEFAULT_LOGICAL_AXIS_RULES: dict[str, Any] = {
     "batch": ["dp", "fsdp"],
-    "length": None,
-    "embed": "fsdp",
+    "length": "cp",
+    "embed": ["fsdp", "cp"],
     "vocab": "tp",
     "heads": "tp",
     "kv_heads": "tp",
@@ -94,7 +96,7 @@ class ModelConfig:
     name: str = "tiny"
     """Name of the model flavour, used in logs and run directories."""
     mesh_shape: list[Any] = field(default_factory=lambda: [[1, 1], ["fsdp", "tp"]])
-    """[[sizes...], [axis names...]]: device mesh; axes are fsdp, tp, dp and pp (pipeline stages); one size may be -1."""
+    """[[sizes...], [axis names...]]: device mesh; axes are fsdp, tp, dp, pp (pipeline stages) and cp (context parallelism: each sequence split over cp devices); one size may be -1."""
     logical_axis_rules: dict[str, Any] = field(
         default_factory=lambda: dict(DEFAULT_LOGICAL_AXIS_RULES)
     )

@@ -9,6 +9,7 @@ are opened, still before anything compiles: `meshtrain.train.setup.prepare` call
 from __future__ import annotations
 
 from meshtrain.accelerators import accelerator_named
+from meshtrain.config.context import check_context_parallel
 from meshtrain.config.evaluation import check_eval
 from meshtrain.config.lora import check_lora
 from meshtrain.config.pipeline import check_pipeline
@@ -331,6 +332,7 @@ def check_against_mesh(cfg: Config, mesh: MeshSpec) -> None:
                 f"training.gradient_accumulation_steps={training.gradient_accumulation_steps} = {per_update}; "
                 f"use a multiple of {per_update}, e.g. {per_update * max(1, training.global_batch_size // per_update)}"
             )
+    check_context_parallel(cfg, mesh)
     if mesh.sizes["pp"] > 1:
         check_pipeline(cfg, mesh, micro_batch_size(cfg, mesh))
     else:

@@ -20,12 +20,19 @@ from jax.sharding import Mesh
 from meshtrain.config.lora import lora_enabled
 from meshtrain.config.schema import ModelConfig
 from meshtrain.config.validate import check_model_on_mesh
-from meshtrain.models.attention import check_attention
+from meshtrain.models.attention_choice import check_attention
 from meshtrain.models.frozen import check_quant_blocks, frozen_layout
 from meshtrain.models.lora import join_adapters, split_adapters
 from meshtrain.models.transformer import Transformer
+from meshtrain.parallel.context import sequence_shards
 from meshtrain.parallel.mesh import MeshSpec
-from meshtrain.parallel.rules import check_divisible, mesh_axes_for, named_shardings, param_specs
+from meshtrain.parallel.rules import (
+    check_divisible,
+    mesh_axes_for,
+    named_shardings,
+    param_specs,
+    rules_without,
+)
 
 
 @dataclass(frozen=True)
@@ -127,7 +134,11 @@ def abstract_model(
     Key/value heads that the mesh cannot split are replicated (fit_kv_heads), and so are the
     stacked blocks over stages that do not divide them (whole_stacked_layers). With LoRA, the
     frozen base's storage at `compute_dtype` (models.frozen; checked against its blocks)."""
-    check_attention(cfg.attention, mesh.devices.flat[0])
+    check_attention(
+        cfg.attention,
+        mesh.devices.flat[0],
+        sequence_shards(mesh_spec.sizes, cfg.logical_axis_rules),
+    )
     check_model_on_mesh(cfg, mesh_spec)
     cfg = fit_kv_heads(cfg, mesh_spec)
     if whole_stacked_layers(cfg, mesh_spec):
@@ -164,12 +175,7 @@ def without_mesh_axes(model: AbstractModel, axes: tuple[str, ...]) -> AbstractMo
     `axes` (jax.vmap with spmd_axis_name=axes, as train.gradients does), where the batch is
     split over the remaining batch axes and each group's gradients are whole along `axes`."""
     cfg = model.config
-    rules = {
-        logical: [a for a in mesh_axes_for(logical, cfg.logical_axis_rules) if a not in axes]
-        or None
-        for logical in cfg.logical_axis_rules
-    }
-    cfg = dataclasses.replace(cfg, logical_axis_rules=rules)
+    cfg = dataclasses.replace(cfg, logical_axis_rules=rules_without(cfg.logical_axis_rules, axes))
     module = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     module.gather_table = True
     graphdef, abstract_state = nnx.split(module, nnx.Param)

@@ -1,7 +1,8 @@
 """Scaled dot-product attention: one function for every layer, with an implementation switch.
 
-`model.attention` (auto, xla or cudnn) names what the user asks for; `select_attention` turns it
-into one of the kernels below, once per model and compute dtype, with the reason:
+`model.attention` (auto, xla or cudnn) names what the user asks for;
+meshtrain.models.attention_choice's `select_attention` turns it into one of the kernels below,
+once per model and compute dtype, with the reason:
 
     xla      jax.nn.dot_product_attention(implementation="xla"): the whole [T, S] score matrix
              of each head at once, softmax in fp32.
@@ -12,11 +13,6 @@ into one of the kernels below, once per model and compute dtype, with the reason
              the blocks unrolled on CPU, in loops when compiled for a GPU (chunk_groups).
     cudnn    jax.nn.dot_product_attention(implementation="cudnn"): cuDNN's fused flash
              attention, which never materialises the scores; NVIDIA GPUs, bf16/fp16 only.
-
-`auto` picks cudnn on an NVIDIA GPU in bf16/fp16 when the head dimension allows it (a multiple
-of 8, ≤ 256 on Hopper and Blackwell with a recent cuDNN, ≤ 128 elsewhere: cudnn_head_dim_limit),
-and chunked otherwise. The GPU is the one the program is compiled for (meshtrain.parallel.target),
-so a GPU program compiled from a CPU host picks what a GPU host would.
 
 Every kernel computes the same masks: causal (a query sees keys at or before it), an optional
 sliding window (query t sees keys s with t - window < s ≤ t, Hugging Face's convention) and
@@ -29,17 +25,16 @@ Masked keys get probability exactly 0 in every kernel.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshtrain.config.schema import AttentionImpl
-from meshtrain.errors import ConfigError
-from meshtrain.parallel.target import TargetDevice, cudnn_version, target_device
+from meshtrain.parallel.target import target_device
 
 AttentionKernel = Literal["xla", "chunked", "cudnn"]
 """What actually runs (see the module docstring); `select_attention` maps model.attention to one."""
@@ -54,7 +49,6 @@ MIN_CHUNK_QUERIES = 64
 # Loops of query blocks for full causal attention (chunk_groups): a compiled program holds
 # CHUNK_GROUPS loop bodies per layer, not one block of code per block of queries.
 CHUNK_GROUPS = 4
-_HALF_PRECISION = (jnp.bfloat16, jnp.float16)
 
 
 @dataclass(frozen=True)
@@ -67,75 +61,6 @@ class WindowOfKind:
 
     kind: jax.Array  # int32 scalar
     windows: tuple[int | None, ...]
-
-
-def cudnn_head_dim_limit(target: TargetDevice, version: int | None) -> int:
-    """The largest head_dim cuDNN's flash attention trains (forward and backward) on `target`:
-
-    - 256 on Hopper (compute capability 9.x) with cuDNN >= 9.13: JAX's own check allows 256
-      there (jax._src.cudnn, check_is_flash_attention), and cuDNN 9.11 and 9.12 mis-checked
-      large head dims in Hopper's backward pass (cudnn-frontend 1.14.1 release notes);
-    - 256 on Blackwell (10.x and later) with cuDNN >= 9.23, the first with a d=256 backward
-      kernel there (cudnn-frontend 1.24.1 release notes);
-    - 128 everywhere else (Ampere, Ada, older cuDNN, or a version that cannot be read).
-    """
-    capability = target.compute_capability
-    if capability is None or version is None:
-        return 128
-    if capability[0] == 9 and version >= 91300:
-        return 256
-    if capability[0] >= 10 and version >= 92300:
-        return 256
-    return 128
-
-
-def check_attention(requested: str, device: jax.Device | None = None) -> None:
-    """Start-up check of model.attention against the devices: cudnn needs an NVIDIA GPU."""
-    if requested == "cudnn" and not target_device(device).nvidia_gpu:
-        raise ConfigError("model.attention=cudnn needs an NVIDIA GPU; use auto or xla")
-
-
-def cudnn_unsupported(
-    dtype: jnp.dtype, head_dim: int, target: TargetDevice, version: int | None
-) -> str | None:
-    """Why cuDNN's flash attention cannot run these shapes on `target` with cuDNN `version`
-    (None: it can)."""
-    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in _HALF_PRECISION]:
-        return (
-            f"cuDNN flash attention needs bf16/fp16, the compute dtype is {jnp.dtype(dtype).name}"
-        )
-    limit = cudnn_head_dim_limit(target, version)
-    if head_dim > limit or head_dim % 8:
-        shown = "unknown" if version is None else f"{version // 10000}.{version // 100 % 100}"
-        return (
-            f"cuDNN {shown} on {target.describe()} needs head_dim <= {limit} and a multiple "
-            f"of 8, got {head_dim}"
-        )
-    return None
-
-
-def select_attention(
-    requested: AttentionImpl | str,
-    *,
-    dtype: jnp.dtype,
-    head_dim: int,
-    device: jax.Device | None = None,
-) -> tuple[AttentionKernel, str]:
-    """(kernel, why) for model.attention=`requested` in this compute dtype on the device the
-    program is compiled for (`device`, else parallel.target.target_device())."""
-    if requested == "xla":
-        return "xla", "model.attention=xla"
-    if requested == "cudnn":
-        check_attention(requested, device)
-        return "cudnn", "model.attention=cudnn"
-    target = target_device(device)
-    if not target.nvidia_gpu:
-        return "chunked", f"auto: cuDNN needs an NVIDIA GPU, this is {target.describe()}"
-    version = cudnn_version()
-    reason = cudnn_unsupported(dtype, head_dim, target, version)
-    if reason is not None:
-        return "chunked", f"auto: {reason}"
-    return "cudnn", f"auto: {target.describe()}, {jnp.dtype(dtype).name}, head_dim {head_dim}"
 
 
 def attention_mask(
@@ -169,11 +94,33 @@ def _xla(q, k, v, *, scale, mask, implementation="xla"):
     )
 
 
-def _plain(q, k, v, *, scale, window, segment_ids):
-    """The xla kernel: one call over the whole sequence."""
-    length = q.shape[1]
-    positions = jnp.arange(length)
-    mask = attention_mask(positions, positions, window=window, segment_ids=segment_ids)
+# Where the queries sit among the keys: (the key index of the first query, traced or not;
+# the largest value it can take, static). None: the queries are the last of the keys.
+QueryStart = tuple[jax.Array | int, int] | None
+
+
+def _first_query(queries: int, keys: int, start: QueryStart) -> tuple[jax.Array | int, int]:
+    return (keys - queries, keys - queries) if start is None else start
+
+
+def _query_segments(segment_ids: jax.Array | None, queries: int, first: Any) -> jax.Array | None:
+    """The segment ids of the `queries` queries, the first at key index `first`."""
+    if segment_ids is None:
+        return None
+    return jax.lax.dynamic_slice_in_dim(segment_ids, first, queries, axis=1)
+
+
+def _plain(q, k, v, *, scale, window, segment_ids, start: QueryStart = None):
+    """The xla kernel: one call over all the queries and keys."""
+    queries, keys = q.shape[1], k.shape[1]
+    first, _ = _first_query(queries, keys, start)
+    mask = attention_mask(
+        first + jnp.arange(queries),
+        jnp.arange(keys),
+        window=window,
+        segment_ids=_query_segments(segment_ids, queries, first),
+        key_segment_ids=segment_ids,
+    )
     return _xla(q, k, v, scale=scale, mask=mask)
 
 
@@ -188,11 +135,25 @@ def chunk_groups(blocks: int, window: int | None) -> list[range]:
     return [range(bounds[g], bounds[g + 1]) for g in range(groups)]
 
 
-def _chunked(q, k, v, *, scale, window, segment_ids, block: int):
+def _chunked(q, k, v, *, scale, window, segment_ids, block: int, bounded: bool = False, start=None):
     """The chunked kernel: its blocks unrolled on CPU, where XLA compiles them quickly and runs
     them 1.3-1.5× faster than loops (T = 2048 and 4096, forward and backward:
     docs/performance.md); looped elsewhere, where XLA's GPU compiler took 9 minutes over Gemma 3
-    1B's 26 layers × 16 unrolled blocks."""
+    1B's 26 layers × 16 unrolled blocks. `bounded` (and a traced `start`): looped everywhere,
+    each block's scores recomputed in the backward pass rather than kept (memory: one block's,
+    whatever T)."""
+    if bounded or start is not None:
+        return _chunked_loop(
+            q,
+            k,
+            v,
+            scale=scale,
+            window=window,
+            segment_ids=segment_ids,
+            block=block,
+            remat=bounded,
+            start=start,
+        )
     if q.shape[1] <= block:
         return _plain(q, k, v, scale=scale, window=window, segment_ids=segment_ids)
     chunked = _chunked_unrolled if target_device().platform == "cpu" else _chunked_loop
@@ -204,23 +165,25 @@ def _chunked_unrolled(q, k, v, *, scale, window, segment_ids, block: int):
     so the skipped blocks cost nothing), each block its own code. The softmax of a block runs
     over exactly the keys that are not masked for some query of it, so the result equals the
     whole-sequence one."""
-    length = q.shape[1]
+    queries, keys = q.shape[1], k.shape[1]
+    offset = keys - queries  # the key index of the first query
     outputs = []
-    for start in range(0, length, block):
-        stop = min(start + block, length)
-        first_key = 0 if window is None else max(0, start - window + 1)
+    for start in range(0, queries, block):
+        stop = min(start + block, queries)
+        first, last = offset + start, offset + stop  # the block's queries, as key indices
+        first_key = 0 if window is None else max(0, first - window + 1)
         mask = attention_mask(
-            jnp.arange(start, stop),
-            jnp.arange(first_key, stop),
+            jnp.arange(first, last),
+            jnp.arange(first_key, last),
             window=window,
-            segment_ids=None if segment_ids is None else segment_ids[:, start:stop],
-            key_segment_ids=None if segment_ids is None else segment_ids[:, first_key:stop],
+            segment_ids=None if segment_ids is None else segment_ids[:, first:last],
+            key_segment_ids=None if segment_ids is None else segment_ids[:, first_key:last],
         )
         outputs.append(
             _xla(
                 q[:, start:stop],
-                k[:, first_key:stop],
-                v[:, first_key:stop],
+                k[:, first_key:last],
+                v[:, first_key:last],
                 scale=scale,
                 mask=mask,
             )
@@ -228,28 +191,34 @@ def _chunked_unrolled(q, k, v, *, scale, window, segment_ids, block: int):
     return jnp.concatenate(outputs, axis=1)
 
 
-def _chunked_loop(q, k, v, *, scale, window, segment_ids, block: int):
+def _chunked_loop(
+    q, k, v, *, scale, window, segment_ids, block: int, remat: bool = False, start=None
+):
     """Query blocks of `block` positions, each against the keys it can see only: the blocks of
     a group (chunk_groups) run in one loop, each against a slice of keys as long as the group
     needs, ending at the block's last query (keys after it, or before the window of its first,
     are never computed). The softmax of a block runs over keys that are masked or visible to
-    the same queries as in the whole-sequence kernel, so the result is the same. The sequence
-    is padded to whole blocks; padded queries repeat the last position and are dropped."""
-    batch, length = q.shape[:2]
-    blocks = -(-length // block)
-    padded = blocks * block - length
+    the same queries as in the whole-sequence kernel, so the result is the same. The queries
+    are padded to whole blocks; padded queries repeat the last position and are dropped.
+    remat: each block's scores are recomputed in the backward pass, not kept. start: where the
+    queries sit (QueryStart): a traced first query sizes each group's keys for the latest."""
+    (batch, queries), keys = q.shape[:2], k.shape[1]
+    offset, latest = _first_query(queries, keys, start)  # the key index of the first query
+    blocks = -(-queries // block)
+    padded = blocks * block - queries
     q = jnp.pad(q, ((0, 0), (0, padded), (0, 0), (0, 0)))
-    query_segments = None
-    if segment_ids is not None:
-        query_segments = jnp.pad(segment_ids, ((0, 0), (0, padded)), mode="edge")
+    query_segments = _query_segments(segment_ids, queries, offset)
+    if query_segments is not None:
+        query_segments = jnp.pad(query_segments, ((0, 0), (0, padded)), mode="edge")
     outputs = []
     for group in chunk_groups(blocks, window):
-        span = min(length, (group.stop * block) if window is None else window - 1 + block)
+        needed = latest + group.stop * block if window is None else window - 1 + block
+        span = min(keys, needed)
 
         def one_block(start, span=span):
-            stop = jnp.minimum(start + block, length)
+            stop = jnp.minimum(offset + start + block, keys)
             first_key = jnp.maximum(0, stop - span)  # 0 for full causal attention
-            query_positions = jnp.minimum(start + jnp.arange(block), length - 1)
+            query_positions = jnp.minimum(offset + start + jnp.arange(block), keys - 1)
             mask = attention_mask(
                 query_positions,
                 first_key + jnp.arange(span),
@@ -270,12 +239,15 @@ def _chunked_loop(q, k, v, *, scale, window, segment_ids, block: int):
             )
 
         starts = np.asarray([b * block for b in group], np.int32)
-        out = jax.lax.map(one_block, starts)  # [blocks of the group, B, block, N, H]
+        run = jax.checkpoint(one_block) if remat else one_block  # remat: keep no scores
+        out = jax.lax.map(run, starts)  # [blocks of the group, B, block, N, H]
         outputs.append(jnp.moveaxis(out, 0, 1).reshape(batch, len(group) * block, *q.shape[2:]))
-    return jnp.concatenate(outputs, axis=1)[:, :length]
+    return jnp.concatenate(outputs, axis=1)[:, :queries]
 
 
 def _cudnn(q, k, v, *, scale, window, segment_ids):
+    if q.shape[1] != k.shape[1]:  # its causal mask aligns the first query with the first key
+        raise ValueError("the cudnn kernel attends a whole sequence: as many queries as keys")
     # cuDNN builds the causal and window masks itself (without materialising them); segments
     # come as a boolean mask, which jax turns into a bias.
     mask = None
@@ -293,6 +265,18 @@ def _cudnn(q, k, v, *, scale, window, segment_ids):
     )
 
 
+def per_window(attend: Callable[..., jax.Array], window: Any, *operands: Any) -> jax.Array:
+    """attend(*operands, window=w) with the sliding window w of a layer (an int or None), or
+    of a traced layer kind (WindowOfKind: a lax.switch over the kinds' windows, each static in
+    its branch)."""
+    if not isinstance(window, WindowOfKind):
+        return attend(*operands, window=window)
+    if len(set(window.windows)) == 1:
+        return attend(*operands, window=window.windows[0])
+    branches = [partial(attend, window=w) for w in window.windows]
+    return jax.lax.switch(window.kind, branches, *operands)
+
+
 def dot_product_attention(
     q: jax.Array,
     k: jax.Array,
@@ -303,26 +287,42 @@ def dot_product_attention(
     window: int | WindowOfKind | None = None,
     segment_ids: jax.Array | None = None,
     block: int | None = None,
+    bounded: bool = False,
+    query_start: QueryStart = None,
 ) -> jax.Array:
-    """Causal self-attention. q: [B, T, N, H]; k, v: [B, T, K, H] with K dividing N;
-    segment_ids: optional int32 [B, T]; window: optional sliding window (keys per query, itself
-    included), or the windows of a traced layer kind (WindowOfKind). Returns [B, T, N, H] in q's
-    dtype; scores are scaled by `scale` (default 1/sqrt(H)) and the softmax runs in fp32. block: queries per block of the chunked kernel
-    (default: chunk_queries(T))."""
+    """Causal self-attention. q: [B, T, N, H]; k, v: [B, S, K, H] with K dividing N and S ≥ T:
+    the queries are the last T of the S key positions (S = T for a whole sequence; S > T for a
+    chunk of queries after earlier keys, as context parallelism runs them:
+    models.context_attention). segment_ids: optional int32 [B, S], of the keys (the queries'
+    are the last T); window: optional sliding window (keys per query, itself included), or
+    the windows of a traced layer kind (WindowOfKind). Returns [B, T, N, H] in q's dtype;
+    scores are scaled by `scale` (default 1/sqrt(H)) and the softmax runs in fp32. block:
+    queries per block of the chunked kernel (default: chunk_queries(T)); bounded: the chunked
+    kernel's blocks in loops, their scores recomputed in the backward pass (long sequences);
+    query_start: where the queries sit among the keys, if not last (QueryStart: xla and
+    chunked)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if isinstance(window, WindowOfKind):
-        attend = partial(
-            dot_product_attention, kernel=kernel, scale=scale, segment_ids=segment_ids, block=block
-        )
-        if len(set(window.windows)) == 1:
-            return attend(q, k, v, window=window.windows[0])
-        branches = [partial(attend, window=w) for w in window.windows]
-        return jax.lax.switch(window.kind, branches, q, k, v)
-    if kernel == "xla":
-        return _plain(q, k, v, scale=scale, window=window, segment_ids=segment_ids)
-    if kernel == "chunked":
-        block = chunk_queries(q.shape[1]) if block is None else block
-        return _chunked(q, k, v, scale=scale, window=window, segment_ids=segment_ids, block=block)
-    if kernel == "cudnn":
-        return _cudnn(q, k, v, scale=scale, window=window, segment_ids=segment_ids)
-    raise ValueError(f"unknown attention kernel {kernel!r}; use xla, chunked or cudnn")
+
+    def attend(q, k, v, segment_ids, *, window):
+        if kernel == "xla":
+            return _plain(
+                q, k, v, scale=scale, window=window, segment_ids=segment_ids, start=query_start
+            )
+        if kernel == "chunked":
+            size = chunk_queries(q.shape[1]) if block is None else block
+            return _chunked(
+                q,
+                k,
+                v,
+                scale=scale,
+                window=window,
+                segment_ids=segment_ids,
+                block=size,
+                bounded=bounded,
+                start=query_start,
+            )
+        if kernel == "cudnn":
+            return _cudnn(q, k, v, scale=scale, window=window, segment_ids=segment_ids)
+        raise ValueError(f"unknown attention kernel {kernel!r}; use xla, chunked or cudnn")
+
+    return per_window(attend, window, q, k, v, segment_ids)

@@ -24,7 +24,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from meshtrain.models.attention import AttentionKernel, attention_mask, dot_product_attention
-from meshtrain.models.transformer import Block, Transformer
+from meshtrain.models.block import Block
+from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.rules import constrain
 
 CACHE_AXES = ("layers", "batch", "length", "kv_heads", None)  # logical axes of KVCache arrays

@@ -30,8 +30,9 @@ import numpy as np
 from flax import nnx
 
 from meshtrain.config.schema import ModelConfig
+from meshtrain.models.block import Block
 from meshtrain.models.lora import split_adapters
-from meshtrain.models.transformer import Block, Transformer
+from meshtrain.models.transformer import Transformer
 
 # Folded into the seed for the adapters' stream: far from the base draws' small indices and from
 # the train step's stream (train.state).

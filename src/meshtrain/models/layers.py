@@ -17,8 +17,10 @@ from flax import nnx
 
 from meshtrain.config.schema import RopeScaling
 from meshtrain.models.attention import AttentionKernel, WindowOfKind, dot_product_attention
+from meshtrain.models.context_attention import context_parallel_attention
 from meshtrain.models.lora import AdapterDropout, LoraSpec, adapter_output, add_adapter
-from meshtrain.parallel.rules import Rules, constrain, mesh_axes_for
+from meshtrain.parallel.context import CONTEXT_AXIS, context_layout, sequence_axes
+from meshtrain.parallel.rules import Rules, constrain, mesh_axes_for, rules_without
 from meshtrain.parallel.target import target_device
 
 
@@ -54,6 +56,11 @@ def _project_bwd(equation: str, residuals, dy: jax.Array):
     inputs, out = equation.split("->")
     x_spec, w_spec = inputs.split(",")
     dx = jnp.einsum(f"{out},{w_spec}->{x_spec}", dy, w)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.shape.get(CONTEXT_AXIS, 1) > 1:
+        # x split along T over cp as well as along B: merging the two in one matrix would
+        # gather T; the einsum sums each device's positions, then reduces over the devices.
+        return dx, jnp.einsum(f"{x_spec},{out}->{w_spec}", x, dy).astype(w.dtype)
     contracted = x.ndim - 2  # x: [B, T, *in]
     x_t = x.reshape(-1, math.prod(x.shape[2:])).T  # [in, B·T]
     if target_device().platform == "cpu":
@@ -76,14 +83,25 @@ class Projections(nnx.Module):
         """x projected by the weight `name` (see `project`), plus its adapter's output if it has
         one (its input dropped out with `dropout`, in training); in x's dtype (the caller casts
         the parameters)."""
-        y = project(equation, x, self.weight(name).astype(x.dtype))
+        y = project(equation, x, self.gathered(name, self.weight(name).astype(x.dtype)))
         if self.lora is None or name not in self.lora.targets:
             return y
-        a = getattr(self, f"{name}_lora_a")[...].astype(x.dtype)
-        b = getattr(self, f"{name}_lora_b")[...].astype(x.dtype)
+        a = self.gathered(f"{name}_lora_a", getattr(self, f"{name}_lora_a")[...].astype(x.dtype))
+        b = self.gathered(f"{name}_lora_b", getattr(self, f"{name}_lora_b")[...].astype(x.dtype))
         if dropout is not None and self.lora.dropout > 0:
             x = dropout.apply(x, name, self.lora.dropout)
         return y + adapter_output(equation, x, a, b, self.lora.scale)
+
+    def gathered(self, name: str, w: jax.Array) -> jax.Array:
+        """The parameter `name`'s value w gathered over the axes that split sequences (cp),
+        which shard the weights as fsdp does: where x is split along T over cp, XLA would
+        otherwise gather x's positions rather than the weight. Unchanged without cp."""
+        mesh = jax.sharding.get_abstract_mesh()
+        axes = () if mesh.empty else sequence_axes(mesh.shape, self.rules)
+        if not axes:
+            return w
+        logical = getattr(self, name).get_metadata()["logical_axes"][-w.ndim :]  # a layer's
+        return constrain(w, logical, rules_without(self.rules, axes))
 
     def weight(self, name: str) -> jax.Array:
         """The weight `name` as stored, read (a quantised one dequantises here, per layer)."""
@@ -227,21 +245,46 @@ class Attention(Projections):
     ) -> jax.Array:
         """x: [B, T, D] → [B, T, D]; sin, cos: [B, T, 1, H/2] (rope_angles); window: this
         layer's sliding window (None: full causal), or those of a traced kind (WindowOfKind);
-        segment_ids: optional int32 [B, T]; dropout: of the adapters' inputs, in training."""
+        segment_ids: optional int32 [B, T]; dropout: of the adapters' inputs, in training.
+        Under a mesh that splits the sequence over cp, x and the rest are in the context
+        layout (meshtrain.parallel.context)."""
         q, k, v = self.queries_keys_values(x, sin, cos, dropout)
         k, v = self.expand_kv(k, v)
         # Query head n reads key/value head n // G (G = N / K), so the tp sharding of the heads
-        # keeps each group on the device of its key/value head.
-        out = dot_product_attention(
-            q,
-            k,
-            v,
-            kernel=kernel,
-            scale=self.scale,
-            window=window,
-            segment_ids=segment_ids,
+        # keeps each group on the device of its key/value head. Split over cp, the sequence is
+        # in the context layout (Transformer.hidden), and the keys and values are gathered.
+        layout = context_layout(q.shape[1], self.rules)
+        attend = (
+            dot_product_attention
+            if layout is None
+            else functools.partial(
+                context_parallel_attention,
+                layout=layout,
+                batch_axes=self.batch_axes(q.shape[0]),
+                manual_axes=self.row_axes(),
+            )
+        )
+        out = attend(
+            q, k, v, kernel=kernel, scale=self.scale, window=window, segment_ids=segment_ids
         )  # [B, T, N, H]
         return self.output(out, dropout)
+
+    def batch_axes(self, batch: int) -> tuple[str, ...]:
+        """The mesh axes of size > 1 a batch of `batch` rows is split over in the current mesh
+        (none where they do not divide it)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        axes = tuple(a for a in mesh_axes_for("batch", self.rules) if mesh.shape.get(a, 1) > 1)
+        return axes if batch % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+    def row_axes(self) -> tuple[str, ...]:
+        """The mesh axes of size > 1 that do not split the heads (nor are manual already)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        heads = {*mesh_axes_for("heads", self.rules), *mesh_axes_for("kv_heads", self.rules)}
+        return tuple(
+            a
+            for a in mesh.axis_names
+            if mesh.shape[a] > 1 and a not in heads and a not in mesh.manual_axes
+        )
 
     @property
     def scale(self) -> float:

@@ -17,16 +17,12 @@ import numpy as np
 from flax import nnx
 
 from meshtrain.config.schema import LayerKind, ModelConfig, RematPolicy, choices
-from meshtrain.models.attention import AttentionKernel, WindowOfKind, select_attention
-from meshtrain.models.layers import (
-    Attention,
-    GatedMLP,
-    RMSNorm,
-    RopeSpec,
-    normal_param,
-    rope_angles,
-)
-from meshtrain.models.lora import AdapterDropout, LoraSpec
+from meshtrain.models.attention import AttentionKernel, WindowOfKind
+from meshtrain.models.attention_choice import select_attention
+from meshtrain.models.block import Block, stack_blocks
+from meshtrain.models.layers import RMSNorm, RopeSpec, normal_param, rope_angles
+from meshtrain.models.lora import AdapterDropout
+from meshtrain.parallel.context import context_layout, sequence_shards, split_sequences
 from meshtrain.parallel.rules import constrain
 
 LAYER_KINDS = choices(LayerKind)  # global: full causal attention; local: sliding window
@@ -81,93 +77,6 @@ def parameter_count(cfg: ModelConfig) -> int:
     return one_block + (cfg.num_layers - 1) * (two_blocks - one_block)
 
 
-class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); with post_norms
-    (Gemma's sandwich) each branch's output is normalised too before it is added."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        rules = cfg.logical_axis_rules
-        lora = LoraSpec.of(cfg)
-        norm = dict(eps=cfg.norm_eps, scale_offset=cfg.norm_scale_offset)
-        self.attn_norm = RMSNorm(cfg.d_model, **norm)
-        self.attn = Attention(
-            d_model=cfg.d_model,
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            query_pre_attn_scalar=cfg.query_pre_attn_scalar,
-            qk_norm=cfg.qk_norm,
-            norm_eps=cfg.norm_eps,
-            norm_scale_offset=cfg.norm_scale_offset,
-            init_std=cfg.init_std,
-            rules=rules,
-            rngs=rngs,
-            lora=lora,
-        )
-        self.mlp_norm = RMSNorm(cfg.d_model, **norm)
-        self.mlp = GatedMLP(
-            d_model=cfg.d_model,
-            mlp_dim=cfg.mlp_dim,
-            activation=cfg.mlp_activation,
-            init_std=cfg.init_std,
-            rules=rules,
-            rngs=rngs,
-            lora=lora,
-        )
-        if cfg.post_norms:
-            self.attn_post_norm = RMSNorm(cfg.d_model, **norm)
-            self.mlp_post_norm = RMSNorm(cfg.d_model, **norm)
-        else:
-            self.attn_post_norm = self.mlp_post_norm = None
-        self.rules = rules
-
-    def __call__(
-        self,
-        x: jax.Array,
-        sin: jax.Array,
-        cos: jax.Array,
-        *,
-        kernel: AttentionKernel,
-        window: int | WindowOfKind | None = None,
-        segment_ids: jax.Array | None = None,
-        dropout: AdapterDropout | None = None,
-    ) -> jax.Array:
-        """x: [B, T, D] → [B, T, D]; sin, cos and window of this layer's kind, the adapters'
-        dropout (see Attention)."""
-        attn = self.attn(
-            self.attn_norm(x),
-            sin,
-            cos,
-            kernel=kernel,
-            window=window,
-            segment_ids=segment_ids,
-            dropout=dropout,
-        )
-        return self.after_attention(x, attn, dropout)
-
-    def after_attention(
-        self, x: jax.Array, attn: jax.Array, dropout: AdapterDropout | None = None
-    ) -> jax.Array:
-        """The rest of the block, given its input x and the attention's output, both [B, T, D]:
-        the residual adds and the MLP (the decode path computes the attention its own way)."""
-        if self.attn_post_norm is not None:
-            attn = self.attn_post_norm(attn)
-        x = constrain(x + attn, ("batch", "length", None), self.rules)
-        mlp = self.mlp(self.mlp_norm(x), dropout)
-        if self.mlp_post_norm is not None:
-            mlp = self.mlp_post_norm(mlp)
-        return constrain(x + mlp, ("batch", "length", None), self.rules)
-
-
-def stack_blocks(blocks: list[Block]) -> Block:
-    """One Block whose parameters are those of `blocks` stacked on a leading `layers` axis."""
-    graphdef = nnx.graphdef(blocks[0])
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in blocks])
-    for variable in jax.tree.leaves(stacked, is_leaf=lambda v: isinstance(v, nnx.Variable)):
-        variable.set_metadata(logical_axes=("layers", *variable.get_metadata()["logical_axes"]))
-    return nnx.merge(graphdef, stacked)
-
-
 class Transformer(nnx.Module):
     """tokens [B, T] int32 → logits [B, T, V] in the compute dtype of the parameters.
 
@@ -186,7 +95,8 @@ class Transformer(nnx.Module):
         self.rules = cfg.logical_axis_rules
         # Gather the embedding table over its embed axes before the lookup: set for a pass run
         # per device group (models.abstract.without_mesh_axes), where XLA cannot partition the
-        # lookup of a split table and would replicate it; elsewhere XLA's own lookup is cheaper.
+        # lookup of a split table and would replicate it; so does a sequence split over cp
+        # (embed_tokens); elsewhere XLA's own lookup is cheaper.
         self.gather_table = False
         self.embed = normal_param(
             rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std
@@ -226,12 +136,24 @@ class Transformer(nnx.Module):
         rather than op-by-op dispatch: that is slow, and on faked CPU devices it can starve the
         threads of XLA's collectives."""
         if not isinstance(tokens, jax.core.Tracer):
-            return _compiled_call(self, tokens, positions, segment_ids)
+            # Under the parameters' mesh, so that the activations' shardings (a sequence split
+            # over cp among them) follow the rules, as in training.
+            leaf = jax.tree.leaves(nnx.state(self, nnx.Param))[0]
+            sharding = getattr(leaf, "sharding", None)
+            if not isinstance(sharding, jax.sharding.NamedSharding):
+                return _compiled_call(self, tokens, positions, segment_ids)
+            with jax.set_mesh(sharding.mesh):
+                return _compiled_call(self, tokens, positions, segment_ids)
         return self.logits(self.hidden(tokens, positions, segment_ids))
 
     def attention_kernel(self, dtype: jnp.dtype) -> tuple[AttentionKernel, str]:
-        """The attention kernel model.attention selects in this compute dtype, and why."""
-        return select_attention(self.attention, dtype=dtype, head_dim=self.head_dim)
+        """The attention kernel model.attention selects in this compute dtype on the current
+        mesh, and why."""
+        mesh = jax.sharding.get_abstract_mesh()
+        shards = 1 if mesh.empty else sequence_shards(mesh.shape, self.rules)
+        return select_attention(
+            self.attention, dtype=dtype, head_dim=self.head_dim, context_shards=shards
+        )
 
     def hidden(
         self,
@@ -239,23 +161,40 @@ class Transformer(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         dropout: AdapterDropout | None = None,
+        *,
+        in_layout: bool = False,
     ) -> jax.Array:
         """The final-normed residual stream [B, T, D] that the output projection turns into
         logits (the loss fuses that projection with the cross-entropy: meshtrain.train.step).
-        dropout: of the LoRA adapters' inputs, in training."""
+        dropout: of the LoRA adapters' inputs, in training.
+
+        Under a mesh that splits sequences over cp, the blocks run on them in the context
+        layout (meshtrain.parallel.context): the inputs are put in it, and the result back in
+        sequence order; with `in_layout`, the inputs (positions included) already are in it
+        and the result stays in it (the train step's loss does not need the order)."""
+        layout = context_layout(tokens.shape[1], self.rules)
         if positions is None:
             positions = default_positions(tokens)
+            if in_layout and layout is not None:
+                positions = layout.to_layout(positions)
+        if layout is not None and not in_layout:
+            tokens, positions, segment_ids = split_sequences(
+                self.rules, tokens, positions, segment_ids
+            )
         x = self.embed_tokens(tokens)
         kernel, _ = self.attention_kernel(x.dtype)
         per_kind = self.rope_per_kind(positions)
         x = self._run_blocks(x, per_kind, self.kind_index, kernel, segment_ids, dropout)
-        return self.final_norm(x)
+        x = self.final_norm(x)
+        if layout is None or in_layout:
+            return x
+        return constrain(layout.to_sequence(x), ("batch", "length", None), self.rules)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """tokens int32 [B, T] → the residual stream's input [B, T, D], in the compute dtype
         (that of the embedding: the caller casts the parameters)."""
         embed = self.embed[...]
-        if self.gather_table:
+        if self.gather_table or context_layout(tokens.shape[1], self.rules) is not None:
             embed = constrain(embed, ("vocab", None), self.rules)
         x = jnp.take(embed, tokens, axis=0)  # [B, T, D]
         if self.embed_scale is not None:

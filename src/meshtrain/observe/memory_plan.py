@@ -103,6 +103,10 @@ class MemoryPlan:
     # and `lora_savings`' comparison with full fine-tuning; 0 and None without LoRA.
     frozen_bytes: int = 0
     lora: dict[str, Any] | None = None
+    # With a cp axis: shards, chunk (tokens per chunk), tokens_per_device and
+    # gathered_kv_bytes (the keys and values each device all-gathers per layer and micro-batch,
+    # within the temporaries), parallel.context's.
+    context: dict[str, Any] | None = None
 
     @property
     def replicated_kv_extra_bytes(self) -> int:
@@ -229,6 +233,13 @@ class MemoryPlan:
                 f"activations of {pipe['microbatches_alive']} micro-batch(es) per stage (in the "
                 "temporaries)"
             )
+        if self.context:
+            cp = self.context
+            lines.append(
+                f"  context parallel    cp={cp['shards']}: {cp['tokens_per_device']} tokens of each "
+                f"sequence per device, {format_bytes(cp['gathered_kv_bytes'])} of keys and values "
+                "gathered per layer (in the temporaries)"
+            )
         lines += [
             f"  activations + temps {format_bytes(self.activation_bytes):>12}   (XLA memory_analysis)",
             f"  total               {format_bytes(self.total_bytes):>12}   "
@@ -290,12 +301,14 @@ def memory_plan(
     pipeline: dict[str, Any] | None = None,
     full_model: tuple[Any, Any] | None = None,
     base_dtype: str | None = None,
+    context: dict[str, Any] | None = None,
 ) -> MemoryPlan:
     """The plan of a compiled train step whose state has these shapes and shardings;
     `replicated_kv_over`: the tp ranks that hold the key/value projections whole (1: split);
     `unsharded_grad_axes`: the mesh axes gradients are summed whole along before they are
     reduced (train.gradients), if any; `pipeline`: the pp schedule's numbers, if any. LoRA:
-    `full_model`, the (shapes, shardings) of every parameter, and the base's storage."""
+    `full_model`, the (shapes, shardings) of every parameter, and the base's storage;
+    `context`: the cp split's numbers, if any."""
     analysis = compiled.memory_analysis()
     params = bytes_per_device(abstract_state.params, state_shardings.params)
     opt_state = bytes_per_device(abstract_state.opt_state, state_shardings.opt_state)
@@ -330,6 +343,7 @@ def memory_plan(
         pipeline=pipeline,
         frozen_bytes=frozen,
         lora=lora,
+        context=context,
     )
 
 

@@ -20,8 +20,9 @@ from jax.sharding import AxisType, Mesh
 
 from meshtrain.errors import ConfigError
 
-# Outermost to innermost: replicas, pipeline stages, parameter shards, tensor parallel.
-MESH_AXES: tuple[str, ...] = ("dp", "pp", "fsdp", "tp")
+# Outermost to innermost: replicas, pipeline stages, parameter shards, sequence (context
+# parallel) shards, tensor parallel.
+MESH_AXES: tuple[str, ...] = ("dp", "pp", "fsdp", "cp", "tp")
 
 
 @dataclass(frozen=True)

@@ -81,8 +81,13 @@ def param_specs(abstract_state: nnx.State, rules: Rules) -> Any:
 
 
 def named_shardings(specs: Any, mesh: Mesh) -> Any:
+    """NamedShardings on `mesh` of PartitionSpecs, written without the mesh's axes of size 1
+    (the same layout: P("fsdp", "tp") for a rule ["fsdp", "cp"] on a mesh without cp)."""
+    unit = [a for a in mesh.axis_names if mesh.shape[a] == 1]
     return jax.tree.map(
-        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+        lambda s: NamedSharding(mesh, without_axes(s, unit)),
+        specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
 
 
@@ -101,6 +106,14 @@ def check_divisible(abstract_params: Any, specs: Any, mesh_spec: MeshSpec) -> No
                     f"{'×'.join(axes)}={shards}, which does not divide it; change "
                     "model.mesh_shape or the model size so that it divides"
                 )
+
+
+def rules_without(rules: Rules, axes: Sequence[str]) -> dict[str, Any]:
+    """`rules` with the mesh axes `axes` taken out of every rule (null where none is left)."""
+    return {
+        logical: [a for a in mesh_axes_for(logical, rules) if a not in axes] or None
+        for logical in rules
+    }
 
 
 def without_axes(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:

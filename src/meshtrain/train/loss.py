@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from meshtrain.parallel.context import sequence_shards
 from meshtrain.parallel.rules import constrain, mesh_axes_for
 
 # Tokens per device in one chunk of the fused output projection + cross-entropy: the fp32
@@ -48,6 +49,13 @@ def _vocab_parallel_rules(batch: int, length: int, vocab: int, rules: Any) -> An
     if _batch_shards(batch, rules) == 1 or batch * length >= vocab or vocab % split:
         return None
     return {**rules, "batch": None, "vocab": [*vocab_axes, *batch_axes]}
+
+
+def _sequence_pieces(length: int, rules: Any) -> int:
+    """Devices each sequence is split over in the current mesh (cp), where they divide it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    pieces = 1 if mesh.empty else sequence_shards(mesh.shape, rules)
+    return pieces if length % pieces == 0 else 1
 
 
 def _target_logits(logits: jax.Array, targets: jax.Array, rows_split: bool) -> jax.Array:
@@ -98,8 +106,12 @@ def output_cross_entropy(
     shards = 1 if vocab_parallel else _batch_shards(batch, rules)
     chunk_rows = LOSS_CHUNK_ROWS if chunk_rows is None else chunk_rows
     per_chunk = max(1, chunk_rows // max(1, batch // shards))
-    num_chunks = -(-length // per_chunk)
-    chunk = -(-length // num_chunks)
+    # Split over cp (s devices), each chunk takes its tokens from every device's part of the
+    # sequence: [B, s · chunk], s major, so that no chunk moves tokens between devices.
+    pieces = _sequence_pieces(length, rules)
+    local = length // pieces
+    num_chunks = -(-local // per_chunk)
+    chunk = -(-local // num_chunks)
     padded = num_chunks * chunk
     weight_axes = ("vocab", "embed") if layout == "VD" else ("embed", "vocab")
     gathered_axes = ("vocab", None) if layout == "VD" else (None, "vocab")
@@ -107,11 +119,14 @@ def output_cross_entropy(
     partial_axes = ("batch", "vocab", None) if layout == "VD" else ("batch", None, "vocab")
     mask = mask.astype(jnp.float32)
 
-    def split(a: jax.Array) -> jax.Array:  # [B, T, ...] → [chunks, B, chunk, ...]
-        if padded != length:
-            pad = [(0, 0), (0, padded - length)] + [(0, 0)] * (a.ndim - 2)
+    def split(a: jax.Array) -> jax.Array:  # [B, T, ...] → [chunks, B, s · chunk, ...]
+        rest = a.shape[2:]
+        a = a.reshape(batch, pieces, local, *rest)
+        if padded != local:
+            pad = [(0, 0), (0, 0), (0, padded - local)] + [(0, 0)] * len(rest)
             a = jnp.pad(a, pad)  # padded targets count 0: no loss, no gradient
-        return jnp.moveaxis(a.reshape(batch, num_chunks, chunk, *a.shape[2:]), 1, 0)
+        a = jnp.moveaxis(a.reshape(batch, pieces, num_chunks, chunk, *rest), 2, 0)
+        return a.reshape(num_chunks, batch, pieces * chunk, *rest)
 
     def chunk_loss(weight, xc, tc, mc, grads: bool):
         logits = jnp.einsum(f"BTD,{layout}->BTV", xc, weight)
@@ -128,7 +143,7 @@ def output_cross_entropy(
         dlogits = ((jnp.exp(logits - lse) - onehot) * mc[..., None]).astype(weight.dtype)
         dx = jnp.einsum(f"BTV,{layout}->BTD", dlogits, weight)
         dx = constrain(dx, ("batch", "length", None), inner)
-        rows = (shards, batch // shards, chunk)
+        rows = (shards, batch // shards, pieces * chunk)
         dweight = jnp.einsum(
             f"SBTD,SBTV->{partial_spec}",
             xc.reshape(*rows, xc.shape[-1]),
@@ -165,7 +180,9 @@ def output_cross_entropy(
         loss = jnp.sum(loss)
         if not grads:
             return loss, None
-        dx = jnp.moveaxis(dxs, 0, 1).reshape(batch, padded, -1)[:, :length]
+        dx = dxs.reshape(num_chunks, batch, pieces, chunk, -1)  # split's inverse
+        dx = jnp.moveaxis(dx, 0, 2).reshape(batch, pieces, padded, -1)[:, :, :local]
+        dx = dx.reshape(batch, length, -1)
         dx = constrain(dx, ("batch", "length", None), rules)
         dweight = constrain(jnp.sum(dweight, axis=0).astype(weight.dtype), weight_axes, rules)
         return loss, (dx, dweight)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
@@ -38,8 +39,9 @@ from meshtrain.observe.flops import train_flops_per_step
 from meshtrain.observe.memory_plan import MemoryPlan, device_capacity, memory_plan
 from meshtrain.observe.progress import phase
 from meshtrain.observe.throughput import ThroughputMeter, peak_flops_per_device
+from meshtrain.parallel.context import ContextLayout, sequence_axes, sequence_shards
 from meshtrain.parallel.mesh import MeshSpec, build_mesh, format_mesh_shape, parse_mesh_shape
-from meshtrain.parallel.rules import logical_to_spec
+from meshtrain.parallel.rules import logical_to_spec, mesh_axes_for
 from meshtrain.train.documents import TokenFormat, token_format
 from meshtrain.train.gradients import gradient_sync
 from meshtrain.train.optimizer import learning_rate_schedule
@@ -155,6 +157,29 @@ def prepare(
     )
 
 
+def context_plan(setup: Setup) -> dict | None:
+    """The cp split's numbers (parallel.context) for the plan and the start-up line: shards,
+    tokens per chunk and per device, and the bytes of keys and values each device all-gathers
+    per layer and micro-batch; None without cp."""
+    model, rules = setup.cfg.model, setup.cfg.model.logical_axis_rules
+    shards = sequence_shards(setup.mesh_spec.sizes, rules)
+    if shards == 1:
+        return None
+    layout = ContextLayout(
+        shards, setup.cfg.data.seq_len, sequence_axes(setup.mesh_spec.sizes, rules)
+    )
+    kv_heads = model.num_kv_heads // setup.mesh_spec.size(*mesh_axes_for("kv_heads", rules))
+    item = jnp.dtype(COMPUTE_DTYPES[setup.cfg.training.mixed_precision]).itemsize
+    gathered = 2 * setup.micro_batch_size * layout.length * max(1, kv_heads) * model.head_dim
+    return {
+        "shards": shards,
+        "axes": list(layout.axes),
+        "chunk": layout.chunk,
+        "tokens_per_device": 2 * layout.chunk,
+        "gathered_kv_bytes": gathered * item,
+    }
+
+
 def describe(setup: Setup) -> None:
     """The start-up lines: mesh, model size, global batch and data."""
     cfg = setup.cfg
@@ -175,6 +200,10 @@ def describe(setup: Setup) -> None:
         log.info(
             "model.scan_layers: on, for the pp stages (they hold slices of the stacked blocks)"
         )
+    context = context_plan(setup)
+    if context:
+        layout = ContextLayout(context["shards"], cfg.data.seq_len, tuple(context["axes"]))
+        log.info(layout.describe(context["gathered_kv_bytes"]))
     for note in (
         replicated_kv_heads(cfg.model, setup.mesh_spec),
         whole_stacked_layers(cfg.model, setup.mesh_spec),
@@ -276,6 +305,7 @@ def inspect_compiled(
         pipeline=None if setup.pipeline is None else setup.pipeline.to_json(),
         full_model=(setup.model.abstract_params, setup.model.param_shardings),
         base_dtype=cfg.model.lora.base_dtype,
+        context=context_plan(setup),
     )
     lines = plan.log_lines(dry_run=cfg.training.dry_run)
     if cfg.training.profile_communication:

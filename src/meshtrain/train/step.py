@@ -22,10 +22,11 @@ import optax
 
 from meshtrain.config.schema import MixedPrecision, TrainingConfig
 from meshtrain.models.abstract import AbstractModel, merge_model, without_mesh_axes
-from meshtrain.models.attention import select_attention
+from meshtrain.models.attention_choice import select_attention
 from meshtrain.models.frozen import is_quantized
 from meshtrain.models.lora import AdapterDropout, row_keys, split_adapters
 from meshtrain.models.transformer import default_positions
+from meshtrain.parallel.context import context_layout, sequence_shards, split_sequences
 from meshtrain.parallel.rules import constrain
 from meshtrain.train.documents import TokenFormat
 from meshtrain.train.gradients import (
@@ -60,6 +61,19 @@ def cast_params(model: AbstractModel, params: Any, compute_dtype: jnp.dtype) -> 
     return jax.tree.map(cast, params, model.param_shardings, is_leaf=is_quantized)
 
 
+def read_in_layout(
+    token_format: TokenFormat, tokens: jax.Array, rules: Any
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+    """token_format.read(tokens), and under a mesh that splits sequences over cp, the five
+    arrays in the context layout (meshtrain.parallel.context), positions included: segment
+    ids and positions are read from the tokens in sequence order first."""
+    inputs, targets, mask, segment_ids, positions = token_format.read(tokens)
+    if context_layout(inputs.shape[1], rules) is None:
+        return inputs, targets, mask, segment_ids, positions
+    positions = default_positions(inputs) if positions is None else positions
+    return split_sequences(rules, inputs, targets, mask, segment_ids, positions)
+
+
 def token_loss_sum(
     model: AbstractModel,
     params: Any,
@@ -77,10 +91,10 @@ def token_loss_sum(
     of its own packed document, at positions that restart with each document. With `pipeline`,
     the blocks run as its schedule's forward over the pp stages (train.pipeline). dropout: the
     LoRA adapters' (training only; not with a pipeline)."""
-    inputs, targets, mask, segment_ids, positions = token_format.read(tokens)
     net = merge_model(model, cast_params(model, params, compute_dtype))
+    inputs, targets, mask, segment_ids, positions = read_in_layout(token_format, tokens, net.rules)
     if pipeline is None:
-        hidden = net.hidden(inputs, positions, segment_ids, dropout)
+        hidden = net.hidden(inputs, positions, segment_ids, dropout, in_layout=True)
         weight, layout = net.output_weight()
         loss = output_cross_entropy(hidden, weight, layout, targets, mask, rules=net.rules)
         return loss, jnp.sum(mask)
@@ -116,7 +130,8 @@ def one_f_one_b_loss_and_grads(
     """((summed loss, token count), gradients of `params`) of token_loss_sum under the 1f1b
     schedule, which computes the gradients itself (train.pipeline.one_f_one_b); with LoRA,
     `params` are the adapters and `frozen` the base."""
-    inputs, targets, mask, segment_ids, positions = token_format.read(tokens)
+    rules = model.config.logical_axis_rules
+    inputs, targets, mask, segment_ids, positions = read_in_layout(token_format, tokens, rules)
     positions = default_positions(inputs) if positions is None else positions
     compute_params = cast_params(model, model.full_params(params, frozen), compute_dtype)
     net = merge_model(model, compute_params)
@@ -152,10 +167,12 @@ def one_f_one_b_loss_and_grads(
 def attention_choice(model: AbstractModel, mixed_precision: str) -> tuple[str, str]:
     """The attention kernel the step runs at `mixed_precision` on the mesh being compiled for,
     and why."""
+    mesh = jax.tree.leaves(model.param_shardings)[0].mesh
     return select_attention(
         model.config.attention,
         dtype=COMPUTE_DTYPES[mixed_precision],
         head_dim=model.config.head_dim,
+        context_shards=sequence_shards(mesh.shape, model.config.logical_axis_rules),
     )
 
 
