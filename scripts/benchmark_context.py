@@ -32,9 +32,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.common import REPO, compose, progress, write_results
+from bench.common import (
+    LLAMA3_8B_ON_H100,
+    REPO,
+    child_env,
+    compose,
+    dry_run_plan,
+    progress,
+    write_results,
+)
 
-DEVICES = 8
+DEVICES = 8  # as child_env("W2") fakes them
 FITS = 0.7  # a cell runs when 8 × its planned memory per device fits in this share of the RAM
 PLANS = {  # GPUs → mesh_shape of llama3_8b at 128k
     "8 GPUs, fsdp=8 (no cp)": "[[8,1],[fsdp,cp]]",
@@ -94,40 +102,16 @@ def run_child(length: int, cp: int, steps: int, run: bool) -> dict:
         out = Path(tmp) / "result.json"
         command = [sys.executable, __file__, "--child", str(length), str(cp), str(out)]
         command += ["--steps", str(steps)] + ([] if run else ["--compile-only"])
-        env = {
-            **os.environ,
-            "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
-            "JAX_ENABLE_COMPILATION_CACHE": "false",
-        }
-        subprocess.run(command, env=env, cwd=REPO, check=True)
+        # W2's: 8 faked CPU devices, their collective timeouts raised, no compilation cache.
+        subprocess.run(command, env=child_env("W2"), cwd=REPO, check=True)
         return json.loads(out.read_text())
 
 
 def plan(name: str, mesh: str) -> dict:
     """The dry run's verdict for llama3_8b at 128k on `mesh` of H100s."""
-    with tempfile.TemporaryDirectory() as run_dir:
-        command = [
-            sys.executable,
-            "run_training.py",
-            "model=llama3_8b",
-            "data=synthetic",
-            "data.seq_len=131072",
-            f"model.mesh_shape={mesh}",
-            "model.remat=full",
-            "model.scan_layers=true",
-            "training.micro_batch_size=1",
-            "training.mixed_precision=bf16",
-            "training.dry_run=true",
-            "plan.target=h100",
-            "plan.device=h100",
-            f"hydra.run.dir={run_dir}",
-        ]
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(done.stderr[-3000:])
-        saved = json.loads((Path(run_dir) / "plan.json").read_text())
+    saved, _ = dry_run_plan(
+        [*LLAMA3_8B_ON_H100, "data.seq_len=131072", f"model.mesh_shape={mesh}", "plan.device=h100"]
+    )
     return {
         "model": "llama3_8b",
         "seq_len": 131072,

@@ -36,7 +36,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.common import REPO, child_env, compose, progress, write_results
+from bench.common import (
+    LLAMA3_8B_ON_H100,
+    REPO,
+    child_env,
+    compose,
+    dry_run_plan,
+    progress,
+    write_results,
+)
 
 MODES = {
     "full": [],
@@ -95,30 +103,16 @@ def run_child(model: str, mode: str, args: argparse.Namespace) -> dict:
 
 def plan(mode: str, device: str) -> dict:
     """The dry run's verdict for llama3_8b at sequence 4096 on one `device`."""
-    with tempfile.TemporaryDirectory() as run_dir:
-        command = [
-            sys.executable,
-            "run_training.py",
-            "model=llama3_8b",
-            "data=synthetic",
+    saved, stdout = dry_run_plan(
+        [
+            *LLAMA3_8B_ON_H100,
             "data.seq_len=4096",
             "model.mesh_shape=[[1,1],[fsdp,tp]]",
-            "model.remat=full",
-            "model.scan_layers=true",
-            "training.micro_batch_size=1",
-            "training.mixed_precision=bf16",
-            "training.dry_run=true",
-            "plan.target=h100",
             f"plan.device={device}",
-            f"hydra.run.dir={run_dir}",
             *MODES[mode],
         ]
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(done.stderr[-3000:])
-        saved = json.loads((Path(run_dir) / "plan.json").read_text())
-        verdict = next(line for line in done.stdout.splitlines() if "verdict:" in line)
+    )
+    verdict = next(line for line in stdout.splitlines() if "verdict:" in line)
     return {
         "model": "llama3_8b",
         "mode": mode,

@@ -91,6 +91,36 @@ def machine() -> str:
     return f"{_cpu_model()}, {cores} cores{ram}, {platform.system()} {platform.release()}"
 
 
+# llama3_8b as the planners' rows compile it for H100s: micro-batch 1, bf16, full remat, scan.
+LLAMA3_8B_ON_H100 = (
+    "model=llama3_8b",
+    "data=synthetic",
+    "model.remat=full",
+    "model.scan_layers=true",
+    "training.micro_batch_size=1",
+    "training.mixed_precision=bf16",
+    "plan.target=h100",
+)
+
+
+def dry_run_plan(overrides: list[str]) -> tuple[dict[str, Any], str]:
+    """`python run_training.py training.dry_run=true <overrides>` in a scratch run directory,
+    on this machine's CPU (no faked device count): the plan.json it writes and its stdout; a
+    failed run exits with the end of its stderr."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        command = [sys.executable, "run_training.py", *overrides, "training.dry_run=true"]
+        command.append(f"hydra.run.dir={run_dir}")
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(done.stderr[-3000:])
+        return json.loads((Path(run_dir) / "plan.json").read_text()), done.stdout
+
+
 def write_results(path: str, results: list[dict[str, Any]], load_before: float) -> None:
     """The results of a run as JSON at `path`, with the machine, the date and the 1-minute load
     average at the start and at the end."""

@@ -64,6 +64,18 @@ def _split_attention(mesh_shape, q, k, v, *, kernel, window, segment_ids, fsdp_a
         return jax.jit(out_and_grads)(q, k, v, segment_ids)
 
 
+def _assert_equals_the_oracle(out, grads, q, k, v, *, window, segment_ids):
+    """out and the gradients of sum(sin(out)) are the einsum oracle's, to 1e-5."""
+
+    def oracle(q, k, v):
+        return einsum_attention(q, k, v, scale=0.3, window=window, segment_ids=segment_ids)
+
+    np.testing.assert_allclose(out, oracle(q, k, v), rtol=1e-5, atol=1e-5)
+    expected = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(oracle(q, k, v))), (0, 1, 2))(q, k, v)
+    for got, want in zip(grads, expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 CASES = [
     # (mesh, kernel, window, segments, kv_heads)
     ([[2, 4], ["cp", "fsdp"]], "chunked", None, False, 2),
@@ -84,14 +96,7 @@ def test_split_attention_equals_whole_sequence_attention(
     out, grads = _split_attention(
         mesh_shape, q, k, v, kernel=kernel, window=window, segment_ids=segment_ids, fsdp_axes=fsdp
     )
-
-    def oracle(q, k, v):
-        return einsum_attention(q, k, v, scale=0.3, window=window, segment_ids=segment_ids)
-
-    np.testing.assert_allclose(out, oracle(q, k, v), rtol=1e-5, atol=1e-5)
-    expected = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(oracle(q, k, v))), (0, 1, 2))(q, k, v)
-    for got, want in zip(grads, expected, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    _assert_equals_the_oracle(out, grads, q, k, v, window=window, segment_ids=segment_ids)
 
 
 @pytest.mark.parametrize("window", [None, 24])
@@ -113,14 +118,7 @@ def test_long_sequences_run_in_small_recomputed_blocks(monkeypatch, window):
         segment_ids=segment_ids,
         fsdp_axes=("fsdp",),
     )
-
-    def oracle(q, k, v):
-        return einsum_attention(q, k, v, scale=0.3, window=window, segment_ids=segment_ids)
-
-    np.testing.assert_allclose(out, oracle(q, k, v), rtol=1e-5, atol=1e-5)
-    expected = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(oracle(q, k, v))), (0, 1, 2))(q, k, v)
-    for got, want in zip(grads, expected, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    _assert_equals_the_oracle(out, grads, q, k, v, window=window, segment_ids=segment_ids)
 
 
 @pytest.mark.slow  # 10 s; the Gemma 3 model runs it in tests/train/test_context_parallel.py

@@ -135,14 +135,14 @@ def chunk_groups(blocks: int, window: int | None) -> list[range]:
     return [range(bounds[g], bounds[g + 1]) for g in range(groups)]
 
 
-def _chunked(q, k, v, *, scale, window, segment_ids, block: int, bounded: bool = False, start=None):
+def _chunked(q, k, v, *, scale, window, segment_ids, block: int, start: QueryStart = None):
     """The chunked kernel: its blocks unrolled on CPU, where XLA compiles them quickly and runs
     them 1.3-1.5× faster than loops (T = 2048 and 4096, forward and backward:
     docs/performance.md); looped elsewhere, where XLA's GPU compiler took 9 minutes over Gemma 3
-    1B's 26 layers × 16 unrolled blocks. `bounded` (and a traced `start`): looped everywhere,
-    each block's scores recomputed in the backward pass rather than kept (memory: one block's,
-    whatever T)."""
-    if bounded or start is not None:
+    1B's 26 layers × 16 unrolled blocks. With a `start` (a cp chunk's, traced): looped
+    everywhere, each block's scores recomputed in the backward pass rather than kept (memory:
+    one block's, whatever T)."""
+    if start is not None:
         return _chunked_loop(
             q,
             k,
@@ -151,7 +151,7 @@ def _chunked(q, k, v, *, scale, window, segment_ids, block: int, bounded: bool =
             window=window,
             segment_ids=segment_ids,
             block=block,
-            remat=bounded,
+            remat=True,
             start=start,
         )
     if q.shape[1] <= block:
@@ -287,7 +287,6 @@ def dot_product_attention(
     window: int | WindowOfKind | None = None,
     segment_ids: jax.Array | None = None,
     block: int | None = None,
-    bounded: bool = False,
     query_start: QueryStart = None,
 ) -> jax.Array:
     """Causal self-attention. q: [B, T, N, H]; k, v: [B, S, K, H] with K dividing N and S ≥ T:
@@ -297,10 +296,10 @@ def dot_product_attention(
     are the last T); window: optional sliding window (keys per query, itself included), or
     the windows of a traced layer kind (WindowOfKind). Returns [B, T, N, H] in q's dtype;
     scores are scaled by `scale` (default 1/sqrt(H)) and the softmax runs in fp32. block:
-    queries per block of the chunked kernel (default: chunk_queries(T)); bounded: the chunked
-    kernel's blocks in loops, their scores recomputed in the backward pass (long sequences);
-    query_start: where the queries sit among the keys, if not last (QueryStart: xla and
-    chunked)."""
+    queries per block of the chunked kernel (default: chunk_queries(T)); query_start: where
+    the queries sit among the keys, if not last (QueryStart: xla and chunked; the chunked
+    kernel then loops over its blocks, each block's scores recomputed in the backward pass, so
+    that a long sequence's attention keeps one block's scores at a time)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
     def attend(q, k, v, segment_ids, *, window):
@@ -318,7 +317,6 @@ def dot_product_attention(
                 window=window,
                 segment_ids=segment_ids,
                 block=size,
-                bounded=bounded,
                 start=query_start,
             )
         if kernel == "cudnn":

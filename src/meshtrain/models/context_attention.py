@@ -112,7 +112,6 @@ def _sharded(
                     window=window,
                     segment_ids=segments,
                     block=block,
-                    bounded=True,
                     query_start=(chunk * c, latest * c),
                 )
             )
