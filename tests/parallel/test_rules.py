@@ -1,15 +1,20 @@
-"""Logical rules → PartitionSpecs, parameters born sharded, bytes per device."""
+"""Logical rules → PartitionSpecs, parameters born sharded, bytes per device, activation constraints."""
 
+import contextlib
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from helpers import tiny_hf
 from helpers.config import compose_config
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.config.schema import DEFAULT_LOGICAL_AXIS_RULES
 from meshtrain.errors import ConfigError
+from meshtrain.inference.load import load_hf
 from meshtrain.models.abstract import abstract_model
 from meshtrain.parallel.mesh import build_mesh, parse_mesh_shape
 from meshtrain.parallel.rules import check_rules, logical_to_spec
@@ -118,3 +123,23 @@ def test_init_does_not_depend_on_the_mesh(sharded_state):
         np.testing.assert_array_equal(
             np.asarray(array), np.asarray(_by_name(sharded_state.params)[name])
         )
+
+
+def test_a_batch_the_mesh_does_not_divide_is_not_padded_onto_every_device(tmp_path):
+    # One sequence on fsdp=8: constraining its batch dimension over fsdp would pad it to one row
+    # per device, each computing the whole sequence (7.1× one device's temporaries, and the
+    # 22 GiB that gemma3_270m's rehearsal needed); left to XLA, a device needs at most as much
+    # as one device running it alone, and the logits are the same.
+    directory = tiny_hf.write_checkpoint("gemma3", tmp_path / "gemma3")
+    tokens = jnp.asarray(np.arange(64, dtype=np.int32)[None] % 97)
+    temporaries, logits = {}, {}
+    for mesh in (None, [[8, 1], ["fsdp", "tp"]]):
+        model = load_hf(directory, mesh)
+        sharding = jax.tree.leaves(nnx.state(model, nnx.Param))[0].sharding
+        with jax.set_mesh(sharding.mesh) if mesh else contextlib.nullcontext():
+            compiled = nnx.jit(lambda m, t: m(t)).lower(model, tokens).compile()
+        temporaries[str(mesh)] = compiled.memory_analysis().temp_size_in_bytes
+        logits[str(mesh)] = np.asarray(model(tokens))
+    one, eight = temporaries.values()
+    assert eight <= one, temporaries
+    np.testing.assert_allclose(*logits.values(), rtol=1e-5, atol=1e-5)

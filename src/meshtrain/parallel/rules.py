@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -61,11 +62,19 @@ def logical_to_spec(logical_axes: LogicalAxes, rules: Rules) -> PartitionSpec:
 def constrain(x: jax.Array, logical_axes: LogicalAxes, rules: Rules) -> jax.Array:
     """Sharding constraint on an activation, under the mesh set by `jax.set_mesh`.
 
-    A no-op outside a mesh context (e.g. a model called eagerly in a notebook).
+    A no-op outside a mesh context (e.g. a model called eagerly in a notebook). A dimension
+    its mesh axes do not divide (one sequence of inference on an fsdp=8 mesh) is left to XLA:
+    constrained, it would be padded to one row per device, every device computing it whole.
     """
-    if jax.sharding.get_abstract_mesh().empty:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
         return x
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, rules))
+    entries = []
+    for dim, entry in zip(x.shape, logical_to_spec(logical_axes, rules), strict=False):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        divides = dim % math.prod(mesh.shape[a] for a in axes) == 0
+        entries.append(entry if divides else PartitionSpec.UNCONSTRAINED)
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*entries))
 
 
 def param_specs(abstract_state: nnx.State, rules: Rules) -> Any:
