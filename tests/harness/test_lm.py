@@ -94,15 +94,27 @@ def test_loglikelihoods_are_the_models_and_compile_one_program_per_bucket(loaded
     assert [g for _, g in ours] == [g for _, g in theirs]
 
 
-def test_a_mesh_gives_the_numbers_of_one_device(checkpoint, lm, loaded):
-    _, tokenizer = loaded
-    sharded = meshtrain.load_hf(checkpoint, [[4, 2], ["fsdp", "tp"]])
+@pytest.mark.parametrize(
+    ("mesh", "row_multiple"),
+    [
+        ([[4, 2], ["fsdp", "tp"]], 4),  # the batch's rows are split over fsdp
+        ([[2, 4], ["cp", "fsdp"]], 4),  # and each row's 32 tokens over cp, in 4 chunks
+        ([[4, 2], ["cp", "tp"]], 1),
+    ],
+)
+def test_a_mesh_gives_the_numbers_of_one_device(checkpoint, lm, loaded, mesh, row_multiple):
+    model, tokenizer = loaded
+    sharded = meshtrain.load_hf(checkpoint, mesh)
     on_mesh = MeshtrainLM.from_model(sharded, tokenizer, max_length=MAX_LENGTH, batch_tokens=256)
-    assert on_mesh.engine.row_multiple == 4  # the batch's rows are split over fsdp
+    assert on_mesh.engine.row_multiple == row_multiple
     requests = [(None, c[:20], k) for _, c, k in _requests(24, seed=2)]  # one bucket: 32
     ours = on_mesh._loglikelihood_tokens(requests, disable_tqdm=True)
     one_device = lm._loglikelihood_tokens(requests, disable_tqdm=True)
     np.testing.assert_allclose(ours, one_device, rtol=1e-5)
+    # Generation on the same mesh picks the same ids.
+    prompt = lm.tok_encode("def function_5(value):")
+    new = on_mesh.engine.generate(Generation(tuple(prompt), ("\x00",), 12))
+    assert new == generate_ids(model, prompt, 12).tolist()  # (no eos among them)
 
 
 def test_generation_stops_at_a_stop_string_with_the_tokens_generate_picks(loaded, lm):

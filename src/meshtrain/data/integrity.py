@@ -63,10 +63,15 @@ def sample_sha256(fd: int, size: int) -> str:
 def file_sha256(path: Path) -> str:
     """The sha256 of every byte of `path`."""
     digest = hashlib.sha256()
+    hash_file_into(digest, path)
+    return digest.hexdigest()
+
+
+def hash_file_into(digest: Any, path: Path) -> None:
+    """Feed every byte of `path` to `digest` (a hashlib object), CHUNK_BYTES at a time."""
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK_BYTES):
             digest.update(chunk)
-    return digest.hexdigest()
 
 
 def unit_checks(tokens_path: Path, docs_path: Path, flat: np.ndarray) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from jax.experimental import multihost_utils
 from meshtrain.data.tokenizer import Tokenizer
 from meshtrain.harness import programs
 from meshtrain.harness.packing import PackedBatch, bucket_length
+from meshtrain.inference.generate import picked_ids
 from meshtrain.models import decode
 from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.rules import mesh_axes_for
@@ -134,39 +135,23 @@ class Engine:
     def _generate(self, request: Generation) -> list[int]:
         ids = np.asarray(request.ids, np.int32)
         bucket = bucket_length(ids.size)  # prompts of similar lengths share a program
-        tokens = np.zeros((1, bucket), np.int32)  # [1, bucket]; the causal mask hides the
-        tokens[0, : ids.size] = ids  # padding from the prompt's queries
-        static = dict(
-            vocab_size=min(self.tokenizer.vocab_size, self.vocab_rows),
-            greedy=request.temperature == 0,
-        )
-        temperature = self._put(np.float32(request.temperature))
         new: list[int] = []
         with self._mesh():
-            token, cache, key = programs.prefill(
+            for picked in picked_ids(
                 self.model,
-                self._put(tokens),
-                self._put(np.int32(ids.size)),
-                self._put(np.int32(request.seed)),
-                temperature,
+                ids,
+                bucket=bucket,
                 cache_length=bucket_length(bucket + request.max_new_tokens),
-                **static,
-            )
-            position = ids.size  # where `token` goes in the sequence
-            while (picked := int(token)) != self.tokenizer.eos_id:
+                temperature=request.temperature,
+                vocab_size=min(self.tokenizer.vocab_size, self.vocab_rows),
+                seed=request.seed,
+                put=self._put,
+            ):
+                if picked == self.tokenizer.eos_id:
+                    break
                 new.append(picked)
                 if len(new) == request.max_new_tokens or self._ends(new, request.until):
                     break
-                token, cache, key = programs.decode_step(
-                    self.model,
-                    token,
-                    self._put(np.int32(position)),
-                    cache,
-                    key,
-                    temperature,
-                    **static,
-                )
-                position += 1
         return new
 
     def _ends(self, new: list[int], until: tuple[str, ...]) -> bool:

@@ -1,8 +1,8 @@
 """Greedy or sampled generation: `meshtrain.generate(model, tokenizer, prompt)` continues a text
 up to eos; `generate_chat(model, encoder, messages)` answers a conversation rendered with a chat
 template (meshtrain.data.chat) up to its end-of-turn token or eos; both run `generate_ids`, the
-decoding loop on token ids with a set of ids to stop at. Their command line is
-meshtrain.cli.generate.
+decoding loop on token ids with a set of ids to stop at, over `picked_ids` (the harness's
+generation runs it too). Their command line is meshtrain.cli.generate.
 
 Two compiled programs per (prompt length bucket, max_new_tokens): a prefill that runs the
 prompt, padded to a power of two (at least MIN_BUCKET tokens) so that prompts of similar
@@ -17,9 +17,9 @@ layers' keys and values. Tokens/s before and after the cache: docs/models.md.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,7 @@ from flax import nnx
 from meshtrain.data.tokenizer import Tokenizer
 from meshtrain.models import decode
 from meshtrain.models.transformer import Transformer
+from meshtrain.parallel.rules import constrain
 
 if TYPE_CHECKING:
     from meshtrain.data.chat import ChatEncoder
@@ -58,7 +59,8 @@ def _prefill(model, tokens, length, seed, temperature, *, cache_length, vocab_si
     """The first new token after tokens[0, :length] (int32 [1, bucket]), the cache, the key."""
     logits, cache = decode.prefill(model, tokens, length, cache_length)  # [1, V]
     key, step_key = jax.random.split(jax.random.key(seed))
-    return _pick(logits, step_key, temperature, vocab_size=vocab_size, greedy=greedy), cache, key
+    token = _pick(logits, step_key, temperature, vocab_size=vocab_size, greedy=greedy)
+    return constrain(token, (), model.rules), cache, key  # replicated: every process reads it
 
 
 @partial(nnx.jit, static_argnames=("vocab_size", "greedy"), donate_argnames=("cache",), graph=False)
@@ -66,7 +68,45 @@ def _decode(model, token, position, cache, key, temperature, *, vocab_size, gree
     """The token after `token` (int32 scalar) at `position`, the updated cache, the next key."""
     logits, cache = decode.decode_step(model, token.reshape(1, 1), position, cache)  # [1, V]
     key, step_key = jax.random.split(key)
-    return _pick(logits, step_key, temperature, vocab_size=vocab_size, greedy=greedy), cache, key
+    token = _pick(logits, step_key, temperature, vocab_size=vocab_size, greedy=greedy)
+    return constrain(token, (), model.rules), cache, key
+
+
+def picked_ids(
+    model: Transformer,
+    ids: np.ndarray,
+    *,
+    bucket: int,
+    cache_length: int,
+    temperature: float,
+    vocab_size: int,
+    seed: int,
+    put: Callable[[np.ndarray | np.generic], Any] = lambda array: array,
+) -> Iterator[int]:
+    """The ids the model picks after the prompt `ids` (int32 [n], n <= bucket), one at a time,
+    for as long as the caller iterates: the prompt padded to `bucket` and run once (the cache
+    holds `cache_length` positions), then one decode step per further id. Run it under the
+    parameters' mesh; `put` makes each input an array on it (the harness's global arrays)."""
+    tokens = np.zeros((1, bucket), np.int32)  # [1, bucket]: the padding after the prompt is
+    tokens[0, : ids.size] = ids  # never seen by its causal queries
+    static = dict(vocab_size=int(vocab_size), greedy=temperature == 0)
+    temperature = put(np.float32(temperature))
+    token, cache, key = _prefill(
+        model,
+        put(tokens),
+        put(np.int32(ids.size)),
+        put(np.int32(seed)),
+        temperature,
+        cache_length=cache_length,
+        **static,
+    )
+    position = ids.size  # where `token` goes in the sequence
+    while True:
+        yield int(token)
+        token, cache, key = _decode(
+            model, token, put(np.int32(position)), cache, key, temperature, **static
+        )
+        position += 1
 
 
 def generate_ids(
@@ -90,32 +130,21 @@ def generate_ids(
         return np.zeros(0, np.int32)
     stops = {int(i) for i in stop_ids}
     bucket = prompt_bucket(ids.size)
-    tokens = np.zeros((1, bucket), np.int32)  # [1, bucket]: the padding after the prompt is
-    tokens[0, : ids.size] = ids  # never seen by its causal queries
-    vocab_size = model.embed.shape[0] if vocab_size is None else vocab_size
-    static = dict(vocab_size=int(vocab_size), greedy=temperature == 0)
-    temperature = np.float32(temperature)
     mesh = decode.params_mesh(model)
     new: list[int] = []
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        token, cache, key = _prefill(
+        for picked in picked_ids(
             model,
-            tokens,
-            np.int32(ids.size),
-            seed,
-            temperature,
+            ids,
+            bucket=bucket,
             cache_length=bucket + max_new_tokens,
-            **static,
-        )
-        position = ids.size  # where `token` goes in the sequence
-        while True:
-            new.append(picked := int(token))
+            temperature=temperature,
+            vocab_size=model.embed.shape[0] if vocab_size is None else vocab_size,
+            seed=seed,
+        ):
+            new.append(picked)
             if picked in stops or len(new) == max_new_tokens:
                 break
-            token, cache, key = _decode(
-                model, token, np.int32(position), cache, key, temperature, **static
-            )
-            position += 1
     return np.asarray(new, np.int32)
 
 

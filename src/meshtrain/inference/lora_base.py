@@ -21,6 +21,7 @@ import jax
 
 from meshtrain.config.lora import target_projections
 from meshtrain.config.schema import Config, ModelConfig
+from meshtrain.data.integrity import hash_file_into
 from meshtrain.errors import ConfigError
 from meshtrain.hf.load import checkpoint_dir
 from meshtrain.hf.peft import load_peft
@@ -67,9 +68,7 @@ def _files_sha256(root: Path) -> str:
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
     for path in files:
         digest.update(str(path.relative_to(root) if path != root else path.name).encode())
-        with path.open("rb") as f:
-            while block := f.read(1 << 22):
-                digest.update(block)
+        hash_file_into(digest, path)
     return digest.hexdigest()
 
 
