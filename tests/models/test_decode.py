@@ -72,7 +72,7 @@ def test_on_a_mesh_the_cache_is_sharded_like_the_keys_and_values(kv_heads):
     alone = Transformer(cfg, rngs=nnx.Rngs(0))
     sharded = on_mesh(alone, cfg, MESH)
     tokens = np.random.default_rng(0).integers(0, 259, (4, 24)).astype(np.int32)  # [B=4, T]
-    mesh = decode.params_mesh(sharded)
+    mesh = sharded.params_mesh()
     with jax.set_mesh(mesh):
         cached = cached_logits(sharded, tokens)
         _, cache = _prefill(sharded, tokens[:, :BUCKET], np.int32(BUCKET), cache_length=32)

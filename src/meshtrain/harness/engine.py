@@ -27,7 +27,6 @@ from meshtrain.data.tokenizer import Tokenizer
 from meshtrain.harness import programs
 from meshtrain.harness.packing import PackedBatch, bucket_length
 from meshtrain.inference.generate import picked_ids
-from meshtrain.models import decode
 from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.rules import mesh_axes_for
 
@@ -68,7 +67,7 @@ class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, batch_tokens: int = 4096):
         self.model = model
         self.rules = model.rules
-        self.mesh = decode.params_mesh(model)
+        self.mesh = model.params_mesh()
         self.vocab_rows = int(model.embed.shape[0])  # the logits' size, >= the tokenizer's
         self.tokenizer = tokenizer
         self.batch_tokens = batch_tokens
@@ -83,7 +82,7 @@ class Engine:
         return jax.process_index() == 0
 
     def _mesh(self) -> contextlib.AbstractContextManager:
-        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+        return self.model.on_params_mesh()
 
     def _put(self, array: np.ndarray | np.generic, axes: tuple = ()) -> jax.Array:
         return programs.on_mesh(self.mesh, np.asarray(array), axes, self.rules)

@@ -16,7 +16,6 @@ layers' keys and values. Tokens/s before and after the cache: docs/models.md.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -130,9 +129,8 @@ def generate_ids(
         return np.zeros(0, np.int32)
     stops = {int(i) for i in stop_ids}
     bucket = prompt_bucket(ids.size)
-    mesh = decode.params_mesh(model)
     new: list[int] = []
-    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    with model.on_params_mesh():
         for picked in picked_ids(
             model,
             ids,

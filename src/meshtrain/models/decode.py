@@ -21,7 +21,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
 
 from meshtrain.models.attention import AttentionKernel, attention_mask, dot_product_attention
 from meshtrain.models.block import Block
@@ -37,14 +36,6 @@ class KVCache(NamedTuple):
 
     keys: jax.Array
     values: jax.Array
-
-
-def params_mesh(model: Transformer) -> Mesh | None:
-    """The mesh the model's parameters are sharded over (None: they live on one device without
-    a mesh), for `jax.set_mesh` around the compiled generation, so that `constrain` shards the
-    activations and the cache as in training."""
-    sharding = getattr(model.embed[...], "sharding", None)
-    return sharding.mesh if isinstance(sharding, NamedSharding) else None
 
 
 def init_cache(model: Transformer, batch: int, length: int) -> KVCache:

@@ -7,6 +7,7 @@ embedding scaling and (1 + w) norm scales) differ only in their `ModelConfig`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from meshtrain.config.schema import LayerKind, ModelConfig, RematPolicy, choices
 from meshtrain.models.attention import AttentionKernel, WindowOfKind
@@ -138,13 +140,22 @@ class Transformer(nnx.Module):
         if not isinstance(tokens, jax.core.Tracer):
             # Under the parameters' mesh, so that the activations' shardings (a sequence split
             # over cp among them) follow the rules, as in training.
-            leaf = jax.tree.leaves(nnx.state(self, nnx.Param))[0]
-            sharding = getattr(leaf, "sharding", None)
-            if not isinstance(sharding, jax.sharding.NamedSharding):
-                return _compiled_call(self, tokens, positions, segment_ids)
-            with jax.set_mesh(sharding.mesh):
+            with self.on_params_mesh():
                 return _compiled_call(self, tokens, positions, segment_ids)
         return self.logits(self.hidden(tokens, positions, segment_ids))
+
+    def params_mesh(self) -> Mesh | None:
+        """The mesh the parameters are sharded over (None: they live on one device without a
+        mesh)."""
+        sharding = getattr(self.embed[...], "sharding", None)
+        return sharding.mesh if isinstance(sharding, NamedSharding) else None
+
+    def on_params_mesh(self) -> contextlib.AbstractContextManager:
+        """`jax.set_mesh` of params_mesh (nothing without one): around a compiled call outside
+        training (a model call, generation, the harness), so that `constrain` shards the
+        activations (and a decode cache) as in training."""
+        mesh = self.params_mesh()
+        return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
     def attention_kernel(self, dtype: jnp.dtype) -> tuple[AttentionKernel, str]:
         """The attention kernel model.attention selects in this compute dtype on the current

@@ -157,10 +157,9 @@ def prepare(
     )
 
 
-def context_plan(setup: Setup) -> dict | None:
-    """The cp split's numbers (parallel.context) for the plan and the start-up line: shards,
-    tokens per chunk and per device, and the bytes of keys and values each device all-gathers
-    per layer and micro-batch; None without cp."""
+def context_split(setup: Setup) -> tuple[ContextLayout, int] | None:
+    """The layout of the cp split (parallel.context) and the bytes of keys and values each
+    device all-gathers per layer and micro-batch; None without cp."""
     model, rules = setup.cfg.model, setup.cfg.model.logical_axis_rules
     shards = sequence_shards(setup.mesh_spec.sizes, rules)
     if shards == 1:
@@ -171,12 +170,22 @@ def context_plan(setup: Setup) -> dict | None:
     kv_heads = model.num_kv_heads // setup.mesh_spec.size(*mesh_axes_for("kv_heads", rules))
     item = jnp.dtype(COMPUTE_DTYPES[setup.cfg.training.mixed_precision]).itemsize
     gathered = 2 * setup.micro_batch_size * layout.length * max(1, kv_heads) * model.head_dim
+    return layout, gathered * item
+
+
+def context_plan(setup: Setup) -> dict | None:
+    """The cp split's numbers for the plan: shards, tokens per chunk and per device, and the
+    gathered keys and values (context_split); None without cp."""
+    split = context_split(setup)
+    if split is None:
+        return None
+    layout, gathered_bytes = split
     return {
-        "shards": shards,
+        "shards": layout.shards,
         "axes": list(layout.axes),
         "chunk": layout.chunk,
         "tokens_per_device": 2 * layout.chunk,
-        "gathered_kv_bytes": gathered * item,
+        "gathered_kv_bytes": gathered_bytes,
     }
 
 
@@ -200,10 +209,8 @@ def describe(setup: Setup) -> None:
         log.info(
             "model.scan_layers: on, for the pp stages (they hold slices of the stacked blocks)"
         )
-    context = context_plan(setup)
-    if context:
-        layout = ContextLayout(context["shards"], cfg.data.seq_len, tuple(context["axes"]))
-        log.info(layout.describe(context["gathered_kv_bytes"]))
+    if split := context_split(setup):
+        log.info(split[0].describe(split[1]))
     for note in (
         replicated_kv_heads(cfg.model, setup.mesh_spec),
         whole_stacked_layers(cfg.model, setup.mesh_spec),
