@@ -11,33 +11,77 @@ import textwrap
 
 import pytest
 
-from meshtrain.distributed.quiet_output import FILTERED_VAR, SHOW_VAR, strip_chatter
+from meshtrain.distributed.quiet_output import (
+    FILTERED_VAR,
+    SHOW_VAR,
+    ChatterLines,
+    ChatterStream,
+)
 
 GLOO = (
     b"[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n"
 )
 
 
+def _filtered(*chunks: bytes, terminal: bool = True) -> tuple[bytes, bytes, int]:
+    """(what passed, what is held, reports dropped) after feeding the chunks."""
+    stream = ChatterStream(terminal=terminal)
+    passed = b"".join(stream.feed(chunk) for chunk in chunks)
+    return passed, stream.held + stream.lines.pending, stream.lines.dropped
+
+
 def test_whole_lines_and_lines_inside_another_are_dropped_and_counted():
     text = b"a\n" + GLOO + b"12:00 INFO " + GLOO + b"step 1\n" + GLOO.replace(b"\n", b"\r\n")
-    assert strip_chatter(text) == (b"a\n12:00 INFO step 1\n", b"", 3)
+    assert _filtered(text) == (b"a\n12:00 INFO step 1\n", b"", 3)
 
 
 def test_an_unfinished_gloo_line_is_held_until_it_ends_and_anything_else_passes_at_once():
-    assert strip_chatter(b"ok\n" + GLOO[:30]) == (b"ok\n", GLOO[:30], 0)
-    assert strip_chatter(GLOO[:30] + GLOO[30:] + b"next\n") == (b"next\n", b"", 1)
-    assert strip_chatter(b"ok\n[Glo") == (b"ok\n", b"[Glo", 0)  # may yet be one
+    assert _filtered(b"ok\n" + GLOO[:30]) == (b"ok\n", GLOO[:30], 0)
+    assert _filtered(GLOO[:30], GLOO[30:] + b"next\n") == (b"next\n", b"", 1)
+    assert _filtered(b"ok\n[Glo") == (b"ok\n", b"[Glo", 0)  # may yet be one
     # a progress bar's redraw (no newline, escape codes with "[") passes at once
-    assert strip_chatter(b"\r\x1b[2Kstep 5/200") == (b"\r\x1b[2Kstep 5/200", b"", 0)
-    assert strip_chatter(b"[rank 0] x") == (b"[rank 0] x", b"", 0)
-    assert strip_chatter(GLOO[:30], final=True) == (GLOO[:30], b"", 0)
+    assert _filtered(b"\r\x1b[2Kstep 5/200") == (b"\r\x1b[2Kstep 5/200", b"", 0)
+    assert _filtered(b"[rank 0] x") == (b"[rank 0] x", b"", 0)
+    stream = ChatterStream(terminal=True)
+    assert stream.feed(GLOO[:30]) == b"" and stream.finish() == GLOO[:30]
 
 
 def test_into_a_file_or_pipe_only_whole_lines_pass():
     """C's buffered stdout cuts a Gloo line anywhere, its rest coming a buffer later."""
-    assert strip_chatter(b"a\nb", terminal=False) == (b"a\n", b"b", 0)
-    assert strip_chatter(b"x\n" + GLOO[:-1], terminal=False) == (b"x\n", GLOO[:-1], 0)
-    assert strip_chatter(GLOO[:-1] + b"\ny\n", terminal=False) == (b"y\n", b"", 1)  # no blank
+    assert _filtered(b"a\nb", terminal=False) == (b"a\n", b"b", 0)
+    assert _filtered(b"x\n" + GLOO[:-1], terminal=False) == (b"x\n", GLOO[:-1], 0)
+    assert _filtered(GLOO[:-1], b"\ny\n", terminal=False) == (b"y\n", b"", 1)  # no blank
+
+
+# Two threads of one process (one per device) reporting at once, as CI once printed them: one
+# report inside another's pieces, then two reports' pieces on one line and a bare newline.
+INTERLEAVED = (
+    b"[Gloo] Rank 2 is connected to 7"
+    b"[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n"
+    b" peer ranks. Expected number of connected peer ranks is : 7\n"
+    b"[Gloo] Rank 1 is connected to 1[Gloo] Rank 0 is connected to  peer ranks. 1Expected number"
+    b" of connected peer ranks is :  peer ranks. 1Expected number of connected peer ranks is : 1\n"
+    b"\n"
+)
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_reports_that_threads_interleaved_are_dropped_whole(terminal):
+    text = b"12:00 INFO compiled\n" + INTERLEAVED + b"12:01 INFO step 1\n\nend\n"
+    expected = b"12:00 INFO compiled\n12:01 INFO step 1\n\nend\n"  # the user's blank line stays
+    assert _filtered(text, terminal=terminal) == (expected, b"", 4)
+    # and cut anywhere, as buffers cut them
+    for cut in range(0, len(text), 7):
+        assert _filtered(text[:cut], text[cut:], terminal=terminal)[::2] == (expected, 4)
+
+
+def test_a_line_of_digits_is_output_unless_a_report_owes_it():
+    lines = ChatterLines()
+    assert lines.line(b"7\n") == b"7\n"
+    assert lines.line(b"[Gloo] Rank 1 is connected to 1[Gloo] Rank 0 is connected to \n") == b""
+    assert lines.line(b" peer ranks. 1Expected number of connected peer ranks is : 1\n") == b""
+    assert lines.line(b"7\n") == b"7\n"
+    assert lines.dropped == 2 and lines.owed == 0
 
 
 CHILD = textwrap.dedent(

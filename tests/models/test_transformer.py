@@ -8,10 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import tiny_hf
 from helpers.runs import train_tiny
 from jax.sharding import PartitionSpec
 
 from meshtrain.config import ModelConfig
+from meshtrain.inference.load import load_hf
 from meshtrain.models.layers import RMSNorm, RopeSpec, apply_rope, rope_angles
 from meshtrain.models.transformer import Transformer
 
@@ -208,3 +210,28 @@ def test_scan_and_remat_train_like_the_plain_model_on_a_sharded_mesh(tmp_path):
         rtol=0,
         atol=1e-6,
     )
+
+
+def test_a_call_on_sharded_parameters_inside_the_callers_own_grad(tmp_path):
+    """A model merged inside the caller's `jax.grad` (as a hand-written reference differentiates
+    some of its weights) with concrete tokens: the call cannot set the parameters' mesh there
+    (JAX refuses `jax.set_mesh` under any trace) and runs under the caller's, with the logits of
+    a call outside and the gradient of `jax.jit` around the same function."""
+    directory = tiny_hf.write_checkpoint("llama", tmp_path / "llama")
+    model = load_hf(directory, [[4, 2], ["fsdp", "tp"]])
+    tokens = jnp.asarray(np.arange(16, dtype=np.int32)[None] % 97)
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+
+    def total(scale):
+        merged = jax.tree.map(lambda leaf: leaf, state)
+        nnx.replace_by_pure_dict(merged, {**params, "final_norm": {"scale": scale}})
+        logits = nnx.merge(graphdef, merged)(tokens)
+        return jnp.sum(logits * jnp.cos(logits)), logits
+
+    scale = params["final_norm"]["scale"]
+    grad, logits = jax.grad(total, has_aux=True)(scale)
+    np.testing.assert_allclose(logits, model(tokens), rtol=1e-6, atol=1e-6)
+    jitted, _ = jax.jit(jax.grad(total, has_aux=True))(scale)
+    assert float(jnp.abs(grad).max()) > 0.1
+    np.testing.assert_allclose(grad, jitted, rtol=1e-5, atol=1e-5)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from meshtrain.distributed.environment import RUN_ID_VAR, TORCHRUN_VARS, env_int
-from meshtrain.distributed.quiet_output import FILTERED_VAR, GLOO_CHATTER
+from meshtrain.distributed.quiet_output import FILTERED_VAR, ChatterLines
 from meshtrain.distributed.xla_flags import (
     with_cpu_collective_timeouts,
     without_fake_device_count,
@@ -183,23 +183,21 @@ class _Pump:
 
     def __init__(self, sink: BinaryIO, prefix: bytes, *, verbose: bool):
         self.sink, self.prefix, self.verbose = sink, prefix, verbose
-        self.hidden = 0  # Gloo lines dropped
+        self.chatter = ChatterLines()
+
+    @property
+    def hidden(self) -> int:
+        """Gloo reports dropped."""
+        return self.chatter.dropped
 
     def run(self, source: BinaryIO) -> None:
-        pending = b""  # text the chatter cut in two: the next line continues it
-        for raw in iter(source.readline, b""):
-            line, pending = pending + raw, b""
+        for line in iter(source.readline, b""):
             if not self.verbose:
-                line, dropped = GLOO_CHATTER.subn(b"", line)
-                self.hidden += dropped
-                if dropped and not line.endswith(b"\n"):
-                    pending = line
-                    continue
-                if dropped and not line.strip():
-                    continue
-            self._write(line)
-        if pending.strip():
-            self._write(pending)
+                line = self.chatter.line(line if line.endswith(b"\n") else line + b"\n")
+            if line:
+                self._write(line)
+        if not self.verbose and (rest := self.chatter.finish()).strip():
+            self._write(rest)
         source.close()
 
     def _write(self, line: bytes) -> None:

@@ -26,40 +26,109 @@ import sys
 from contextlib import suppress
 
 # Gloo's connection report; it may land inside another line of the same process, and through a
-# pseudo-terminal its newline may come as \r\n. (meshtrain.launch matches whole lines with it.)
+# pseudo-terminal its newline may come as \r\n.
 GLOO_CHATTER = re.compile(
     rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
     rb"Expected number of connected peer ranks is : \d+\r?\n?"
 )
-# The same, ended: C's buffered stdout may cut a line anywhere, the rest coming much later.
-_ENDED = re.compile(GLOO_CHATTER.pattern.removesuffix(rb"\r?\n?") + rb"\r?\n")
 _START = b"[Gloo] Rank "
-_LONGEST = 160  # a held tail longer than this is no Gloo line
+# Gloo writes its report in pieces (C++ `<<`), ended by one newline. Two threads of one process
+# (one per device) connecting at once interleave their pieces: a line of nothing but pieces.
+_ONLY_PIECES = re.compile(
+    rb"(?:\[Gloo\] Rank | is connected to | peer ranks\. "
+    rb"|Expected number of connected peer ranks is : |\d+)*"
+)
+_LONGEST = 400  # a held tail longer than this is no Gloo report (nor a few interleaved ones)
 _WAIT_S = 0.2  # on a terminal, a tail that may yet become a Gloo line waits this long for more
 FILTERED_VAR = "MESHTRAIN_OUTPUT_FILTERED"  # set by meshtrain.launch: it filters and counts
 SHOW_VAR = "MESHTRAIN_SHOW_GLOO"
 
 
-def strip_chatter(
-    buffer: bytes, *, final: bool = False, terminal: bool = True
-) -> tuple[bytes, bytes, int]:
-    """(the output to pass on now, a tail to hold until more comes, Gloo lines dropped).
+class ChatterLines:
+    """Gloo's reports out of whole lines, one line at a time (the filter here, and meshtrain.launch
+    on each rank's output).
 
-    Into a file or pipe, only whole lines pass (the tail is the unfinished last line); on a
+    A report inside another line goes with its newline, and the rest of that line waits for the
+    next one (it continues there). A line made only of reports' pieces goes whole: threads
+    interleaved their reports, and each report it starts but does not end owes one newline, so
+    the owed lines that follow (the rest of a report, or a bare newline) go too."""
+
+    def __init__(self) -> None:
+        self.pending = b""  # a line's start whose end a report took: the next line continues it
+        self.owed = 0  # reports started whose newline has not yet come
+        self.dropped = 0  # reports dropped
+
+    def line(self, line: bytes) -> bytes:
+        """One line (ending with its newline) in; what to pass on out: the line, b"" or, with
+        the pending start, the joined line."""
+        line, self.pending = self.pending + line, b""
+        whole = 0
+        while True:
+            line, found = GLOO_CHATTER.subn(b"", line)
+            if not found:
+                break
+            whole += found
+        self.dropped += whole
+        if whole and not line.endswith(b"\n"):
+            self.pending = line
+            return b""
+        body = line.rstrip(b"\r\n")
+        starts = body.count(_START)
+        if _ONLY_PIECES.fullmatch(body) and (starts or self.owed or whole):
+            self.owed = max(self.owed + starts - (0 if whole else 1), 0)
+            self.dropped += starts
+            return b""
+        return line
+
+    def finish(self) -> bytes:
+        """What is left once nothing more will come."""
+        rest, self.pending = self.pending, b""
+        return b"" if _ONLY_PIECES.fullmatch(rest.rstrip(b"\r\n")) else rest
+
+
+class ChatterStream:
+    """A byte stream without Gloo's reports: only whole lines pass into a file or pipe; on a
     terminal everything passes at once (a progress bar redraws without a newline) but an
-    unfinished line that may yet become a Gloo line. `final`: nothing more will come."""
-    if final:
-        return GLOO_CHATTER.sub(b"", buffer), b"", 0
-    text, dropped = _ENDED.subn(b"", buffer)
-    if not terminal:
+    unfinished line that may yet become a report."""
+
+    def __init__(self, *, terminal: bool) -> None:
+        self.terminal = terminal
+        self.lines = ChatterLines()
+        self.held = b""  # the unfinished last line
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The output to pass on now, given the next bytes."""
+        text = self.held + chunk
         cut = text.rfind(b"\n") + 1
-        return text[:cut], text[cut:], dropped
-    start = text.rfind(b"[")
-    tail = text[start:] if start >= 0 else b""
-    may_be_chatter = tail[: len(_START)] == _START[: len(tail)] and len(tail) < _LONGEST
-    if start < 0 or b"\n" in tail or not may_be_chatter:
-        return text, b"", dropped
-    return text[:start], tail, dropped
+        lines = text[: cut - 1].split(b"\n") if cut else []
+        passed = b"".join(self.lines.line(line + b"\n") for line in lines)
+        self.held = text[cut:]
+        if not self.terminal:
+            return passed
+        # What no report can still take passes; from a report's start (interleaved ones: the
+        # first), or a "[" that may yet become one, the tail waits.
+        tail, self.lines.pending, self.held = self.lines.pending + self.held, b"", b""
+        start = tail.find(_START)
+        if start < 0:
+            start = tail.rfind(b"[")
+            maybe = tail[start:]
+            if start < 0 or maybe != _START[: len(maybe)]:
+                return passed + tail
+        if len(tail) - start >= _LONGEST:
+            return passed + tail
+        self.held = tail[start:]
+        return passed + tail[:start]
+
+    def release(self) -> bytes:
+        """The held tail, passed on: on a terminal, a held "[" or "[Gl" that did not grow."""
+        held, self.held = self.held, b""
+        return held
+
+    def finish(self) -> bytes:
+        """What is left once nothing more will come."""
+        rest = self.lines.finish() + self.held
+        self.held = b""
+        return GLOO_CHATTER.sub(b"", rest)
 
 
 def _write_all(fd: int, data: bytes) -> bool:
@@ -76,15 +145,14 @@ def run_filter(source: int = 0, sink: int = 1, *, terminal: bool = False) -> Non
     """The filter's loop: `source` to `sink` without Gloo's lines, until every writer is gone."""
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)  # the training process decides when it ends
-    held, alive = b"", True
+    stream, alive = ChatterStream(terminal=terminal), True
     while True:
         # On a terminal, a held "[" or "[Gl" that does not grow was no Gloo line; a tail that is
         # one for sure ("[Gloo] Rank ...") waits for its end.
-        waits = terminal and held and not held.startswith(_START)
+        waits = terminal and stream.held and not stream.held.startswith(_START)
         ready, _, _ = select.select([source], [], [], _WAIT_S if waits else None)
         if not ready:
-            alive = alive and _write_all(sink, held)
-            held = b""
+            alive = alive and _write_all(sink, stream.release())
             continue
         try:
             chunk = os.read(source, 65536)
@@ -92,10 +160,9 @@ def run_filter(source: int = 0, sink: int = 1, *, terminal: bool = False) -> Non
             chunk = b""
         if not chunk:
             break
-        text, held, _ = strip_chatter(held + chunk, terminal=terminal)
-        alive = alive and _write_all(sink, text)  # without an output, read on to the end
+        alive = alive and _write_all(sink, stream.feed(chunk))  # without an output, read on
     if alive:
-        _write_all(sink, strip_chatter(held, final=True)[0])
+        _write_all(sink, stream.finish())
 
 
 class _Filter:

@@ -151,11 +151,18 @@ class Transformer(nnx.Module):
         return sharding.mesh if isinstance(sharding, NamedSharding) else None
 
     def on_params_mesh(self) -> contextlib.AbstractContextManager:
-        """`jax.set_mesh` of params_mesh (nothing without one): around a compiled call outside
-        training (a model call, generation, the harness), so that `constrain` shards the
-        activations (and a decode cache) as in training."""
+        """`jax.set_mesh` of params_mesh: around a compiled call outside training (a model call,
+        generation, the harness), so that `constrain` shards the activations (and a decode cache)
+        as in training. Nothing without a mesh, or inside the caller's own trace (a call within
+        its `jax.grad` or `jax.jit`), where `jax.set_mesh` is refused and the caller's mesh, if
+        any, applies."""
         mesh = self.params_mesh()
-        return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+        if mesh is None:
+            return contextlib.nullcontext()
+        try:
+            return jax.set_mesh(mesh)
+        except ValueError:  # "`set_mesh` can only be used outside of `jax.jit`" (any trace)
+            return contextlib.nullcontext()
 
     def attention_kernel(self, dtype: jnp.dtype) -> tuple[AttentionKernel, str]:
         """The attention kernel model.attention selects in this compute dtype on the current
