@@ -80,9 +80,14 @@ class ChatterLines:
             return b""
         return line
 
+    def take_pending(self) -> bytes:
+        """The pending line's start, which the caller passes on itself (a terminal, at once)."""
+        pending, self.pending = self.pending, b""
+        return pending
+
     def finish(self) -> bytes:
         """What is left once nothing more will come."""
-        rest, self.pending = self.pending, b""
+        rest = self.take_pending()
         return b"" if _ONLY_PIECES.fullmatch(rest.rstrip(b"\r\n")) else rest
 
 
@@ -107,7 +112,7 @@ class ChatterStream:
             return passed
         # What no report can still take passes; from a report's start (interleaved ones: the
         # first), or a "[" that may yet become one, the tail waits.
-        tail, self.lines.pending, self.held = self.lines.pending + self.held, b"", b""
+        tail, self.held = self.lines.take_pending() + self.held, b""
         start = tail.find(_START)
         if start < 0:
             start = tail.rfind(b"[")

@@ -13,7 +13,6 @@ stop.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import pickle
 from dataclasses import dataclass
@@ -81,9 +80,6 @@ class Engine:
         """Whether this process runs the harness (process 0) rather than following it."""
         return jax.process_index() == 0
 
-    def _mesh(self) -> contextlib.AbstractContextManager:
-        return self.model.on_params_mesh()
-
     def _put(self, array: np.ndarray | np.generic, axes: tuple = ()) -> jax.Array:
         return programs.on_mesh(self.mesh, np.asarray(array), axes, self.rules)
 
@@ -123,7 +119,7 @@ class Engine:
 
     def _score(self, arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
         rows, length = arrays[0].shape
-        with self._mesh():
+        with self.model.on_params_mesh():
             logprob, greedy = programs.score(
                 self.model,
                 *(self._put(a, BATCH_AXES) for a in arrays),
@@ -135,7 +131,7 @@ class Engine:
         ids = np.asarray(request.ids, np.int32)
         bucket = bucket_length(ids.size)  # prompts of similar lengths share a program
         new: list[int] = []
-        with self._mesh():
+        with self.model.on_params_mesh():
             for picked in picked_ids(
                 self.model,
                 ids,

@@ -210,7 +210,8 @@ def describe(setup: Setup) -> None:
             "model.scan_layers: on, for the pp stages (they hold slices of the stacked blocks)"
         )
     if split := context_split(setup):
-        log.info(split[0].describe(split[1]))
+        layout, gathered_bytes = split
+        log.info(layout.describe(gathered_bytes))
     for note in (
         replicated_kv_heads(cfg.model, setup.mesh_spec),
         whole_stacked_layers(cfg.model, setup.mesh_spec),
