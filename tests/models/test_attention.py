@@ -221,6 +221,7 @@ def test_unknown_attention_is_a_config_error():
 
 
 def test_the_step_logs_the_kernel_it_runs(caplog):
+    from meshtrain.train.objectives import NextToken, StepInputs
     from meshtrain.train.optimizer import build_optimizer, learning_rate_schedule
     from meshtrain.train.setup import prepare
     from meshtrain.train.state import state_shardings
@@ -236,7 +237,7 @@ def test_the_step_logs_the_kernel_it_runs(caplog):
             learning_rate_schedule(cfg.training),
             state_shardings=state_shardings(setup.model, tx, setup.mesh),
             batch_sharding=None,
-            token_format=TokenFormat(pad_id=0),
+            objective=NextToken(StepInputs(TokenFormat(pad_id=0), jnp.float32)),
             training=cfg.training,
         )
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention:")]

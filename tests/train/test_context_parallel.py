@@ -16,10 +16,10 @@ from meshtrain.config.validate import check_against_mesh
 from meshtrain.data import BatchIterator
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.mesh import parse_mesh_shape
+from meshtrain.train.objectives.next_token import token_loss_sum
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.setup import prepare
 from meshtrain.train.state import create_train_state, state_shardings
-from meshtrain.train.step import token_loss_sum
 
 # The tiny Hugging Face shapes of tests/helpers/tiny_hf: Llama 3 (3 layers, GQA 4:2) and Gemma 3
 # (7 layers, 5 local with a window of 16 and 2 global, here with a single key/value head).

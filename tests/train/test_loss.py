@@ -20,7 +20,7 @@ from meshtrain.observe.communication import account_collectives
 from meshtrain.parallel.mesh import build_mesh, parse_mesh_shape
 from meshtrain.train.documents import TokenFormat
 from meshtrain.train.loss import output_cross_entropy
-from meshtrain.train.step import token_loss_sum
+from meshtrain.train.objectives.next_token import token_loss_sum
 
 RULES = DEFAULT_LOGICAL_AXIS_RULES
 

@@ -1,15 +1,18 @@
 """eval: downstream evaluation with EleutherAI's lm-eval harness inside the training loop
 (docs/evaluation.md#inside-training), its keys and their start-up check. The harness model is
-meshtrain.harness; the loop's hook is meshtrain.train.harness_hook."""
+meshtrain.harness; the loop's hook is meshtrain.train.hooks.harness."""
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from meshtrain.errors import require
 
 EXTRA = "eval"  # pyproject's optional dependencies that install lm-eval
+HarnessOnError = Literal["stop", "warn"]
+"""eval.harness.on_error."""
 
 
 @dataclass
@@ -26,6 +29,8 @@ class HarnessConfig:
     """Directories of task YAMLs besides the harness's own (e.g. examples/eval_tasks)."""
     num_fewshot: int | None = None
     """Few-shot examples per request; null: each task's own default."""
+    on_error: str = "stop"  # HarnessOnError
+    """An evaluation that fails (a task's template, its data): stop (one line; the checkpoint of that step is saved first) or warn (log it and train on)."""
 
 
 @dataclass
@@ -38,8 +43,14 @@ class EvalConfig:
 
 def check_eval(cfg: EvalConfig) -> None:
     """One line for each eval.harness key that cannot work, before anything compiles (the
-    tasks themselves are looked up by meshtrain.train.harness_hook, which needs lm-eval)."""
+    tasks themselves are looked up by meshtrain.train.hooks.harness, which needs lm-eval)."""
     harness = cfg.harness
+    modes = get_args(HarnessOnError)
+    require(
+        harness.on_error in modes,
+        f"eval.harness.on_error={harness.on_error!r} is not supported; use one of: "
+        + ", ".join(modes),
+    )
     require(harness.every >= 0, f"eval.harness.every={harness.every} must be >= 0 (0: last step)")
     require(
         harness.limit is None or harness.limit > 0,

@@ -1,5 +1,6 @@
-"""The validation loss: fixed held-out batches, placed on the devices once, averaged over the
-tokens that carry loss (for chat data, the trained tokens only)."""
+"""The validation metrics: the objective's loss and metrics over fixed held-out batches, placed on
+the devices once (the next-token loss: averaged over the tokens that carry loss; for chat data,
+the trained tokens only)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from meshtrain.train.state import TrainState
 from meshtrain.train.step import make_eval_step
 
 
-def make_evaluator(setup: Setup, shardings: TrainState) -> Callable[[TrainState], float] | None:
-    """A function state → mean validation loss of its parameters over fixed batches, or None
-    when eval is off."""
+def make_evaluator(
+    setup: Setup, shardings: TrainState
+) -> Callable[[TrainState], dict[str, float]] | None:
+    """A function state → the objective's metrics of its parameters over the fixed validation
+    batches ("loss" first), or None when eval is off."""
     cfg = setup.cfg
     if setup.validation_data is None:
         return None
@@ -34,18 +37,19 @@ def make_evaluator(setup: Setup, shardings: TrainState) -> Callable[[TrainState]
         rows=process_rows(eval_sharding, eval_shape, axis=0),
     )
     device_batches = [to_global_array(b, eval_sharding, eval_shape) for b in local]
+    objective = setup.objective
     eval_step = make_eval_step(
-        setup.model,
-        state_shardings=shardings,
-        batch_sharding=eval_sharding,
-        token_format=setup.token_format,
-        mixed_precision=cfg.training.mixed_precision,
-        pipeline=setup.pipeline,
+        setup.model, state_shardings=shardings, batch_sharding=eval_sharding, objective=objective
     )
 
-    def evaluate(state: TrainState) -> float:
+    def evaluate(state: TrainState) -> dict[str, float]:
         sums = [eval_step(state.params, state.frozen, batch) for batch in device_batches]
-        loss_sum, count = np.sum(np.asarray(jax.device_get(sums), dtype=np.float64), axis=0)
-        return float(loss_sum / max(count, 1.0))
+        # Added up on the host in float64, then the objective's metrics of the whole split.
+        fetched = jax.device_get(sums)
+        names = list(fetched[0])
+        table = np.asarray([[batch[n] for n in names] for batch in fetched], dtype=np.float64)
+        total = dict(zip(names, np.sum(table, axis=0), strict=True))
+        total["count"] = max(total["count"], 1.0)
+        return {name: float(value) for name, value in objective.metrics(total).items()}
 
     return evaluate

@@ -41,13 +41,17 @@ from meshtrain.parallel.rules import Rules, mesh_axes_for, without_axes
 REDUCE_DTYPES: dict[ReduceDtype, jnp.dtype] = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 REPLICA_AXES = ("dp",)  # batch axes that hold whole replicas: reduced once per update
 
-# (params, rows, frozen) → ((summed loss, token count), gradients of params). rows: tokens
-# [B, seq_len + 1], or a tuple of arrays [B, ...] (with LoRA dropout: the tokens and each row's
-# key); frozen: what the loss reads but does not differentiate (a LoRA run's base), or None.
-LossAndGrads = Callable[[Any, Any, Any], tuple[tuple[jax.Array, jax.Array], Any]]
+# The sums an objective returns for some rows (train.objectives): "loss" (summed), "count" (what
+# the loss is averaged over: trained tokens, pairs...) and its metrics' own sums, all fp32 [];
+# the sums of the micro-batches and devices add up to those of the update.
+Sums = dict[str, jax.Array]
+# (params, rows, frozen) → (sums, gradients of sums["loss"] with respect to params). rows:
+# tokens [B, seq_len + 1], or a tuple of arrays [B, ...] (with LoRA dropout: the tokens and each
+# row's key); frozen: what the loss reads but does not differentiate (a LoRA run's base), or None.
+LossAndGrads = Callable[[Any, Any, Any], tuple[Sums, Any]]
 # (params, batch: rows with two leading axes [accum, micro_global, ...], frozen)
-#   → (summed gradients, summed loss, count)
-Accumulate = Callable[[Any, Any, Any], tuple[Any, jax.Array, jax.Array]]
+#   → (summed gradients, summed sums)
+Accumulate = Callable[[Any, Any, Any], tuple[Any, Sums]]
 
 
 @dataclass(frozen=True)
@@ -101,10 +105,10 @@ def implicit_accumulate(loss_and_grads: LossAndGrads, param_shardings: Any) -> A
     shardings). One micro-batch: no loop and no zero-filled sum; several: a lax.scan over all
     of them from zeros (peeling the first one off measured 10% more temporaries)."""
 
-    def accumulate(params: Any, batch: Any, frozen: Any) -> tuple[Any, jax.Array, jax.Array]:
-        def micro_grads(tokens: Any) -> tuple[Any, jax.Array, jax.Array]:
-            (loss, count), grads = loss_and_grads(params, tokens, frozen)
-            return jax.lax.with_sharding_constraint(grads, param_shardings), loss, count
+    def accumulate(params: Any, batch: Any, frozen: Any) -> tuple[Any, Sums]:
+        def micro_grads(tokens: Any) -> tuple[Any, Sums]:
+            sums, grads = loss_and_grads(params, tokens, frozen)
+            return jax.lax.with_sharding_constraint(grads, param_shardings), sums
 
         return _summed(micro_grads, batch, param_shardings, peel=False)
 
@@ -148,25 +152,26 @@ def grouped_accumulate(
         split = lambda g: g.reshape(replicas, groups // replicas, *g.shape[1:])  # noqa: E731
         return reduce(jax.tree.map(split, grads), 1, sum_shardings)
 
-    def accumulate(params: Any, batch: Any, frozen: Any) -> tuple[Any, jax.Array, jax.Array]:
-        def micro_grads(tokens: Any) -> tuple[Any, jax.Array, jax.Array]:
-            """[micro_global, ...] → ([groups, *param] gradients, summed loss, count)."""
+    def accumulate(params: Any, batch: Any, frozen: Any) -> tuple[Any, Sums]:
+        def micro_grads(tokens: Any) -> tuple[Any, Sums]:
+            """[micro_global, ...] → ([groups, *param] gradients, the groups' sums added)."""
             tokens = _leading_split(tokens, groups)  # [groups, rows, ...]
-            (loss, count), grads = per_group(params, tokens, frozen)
-            return jax.lax.with_sharding_constraint(grads, group_shardings), loss.sum(), count.sum()
+            sums, grads = per_group(params, tokens, frozen)
+            grads = jax.lax.with_sharding_constraint(grads, group_shardings)
+            return grads, jax.tree.map(jnp.sum, sums)
 
-        def window(tokens: Any) -> tuple[Any, jax.Array, jax.Array]:
+        def window(tokens: Any) -> tuple[Any, Sums]:
             """[every, micro_global, ...] → the window's sums, folded."""
-            grads, loss, count = _summed(micro_grads, tokens, group_shardings)
-            return fold(grads), loss, count
+            grads, sums = _summed(micro_grads, tokens, group_shardings)
+            return fold(grads), sums
 
         windows = _leading_split(batch, -1, sync.every)  # [accum / every, every, ...]
         # Zeros start the windows' sum: a peeled first window would be a second copy of the
         # whole pass, and XLA keeps both programs' buffers (measured: +60% temporaries).
-        grads, loss, count = _summed(window, windows, sum_shardings, peel=False)
+        grads, sums = _summed(window, windows, sum_shardings, peel=False)
         if sync.replicas:  # the one reduction over the replicas of this update
             grads = reduce(grads, 0, param_shardings)
-        return grads, loss, count
+        return grads, sums
 
     return accumulate
 
@@ -183,15 +188,15 @@ def _leading_split(rows: Any, first: int, second: int | None = None) -> Any:
 
 
 def _summed(
-    part: Callable[[Any], tuple[Any, jax.Array, jax.Array]],
+    part: Callable[[Any], tuple[Any, Sums]],
     parts: Any,
     shardings: Any,
     *,
     peel: bool = True,
-) -> tuple[Any, jax.Array, jax.Array]:
-    """The sums of `part` (gradients, loss, count) over the leading axis of the arrays of
-    `parts`, in a lax.scan (none for one part). peel: the first part starts the sums (no
-    zero-filled buffer); else they start from zeros in `shardings`."""
+) -> tuple[Any, Sums]:
+    """The sums of `part` (gradients, and the objective's sums) over the leading axis of the
+    arrays of `parts`, in a lax.scan (none for one part). peel: the first part starts the sums
+    (no zero-filled buffer); else they start from zeros in `shardings`."""
     first = jax.tree.map(lambda a: a[0], parts)
     if jax.tree.leaves(parts)[0].shape[0] == 1:
         return part(first)
@@ -200,12 +205,13 @@ def _summed(
     else:
         shapes = jax.eval_shape(part, first)
         zeros = lambda a, s=None: jnp.zeros(a.shape, a.dtype, device=s)  # noqa: E731
-        init = (jax.tree.map(zeros, shapes[0], shardings), *map(zeros, shapes[1:]))
+        init = (jax.tree.map(zeros, shapes[0], shardings), jax.tree.map(zeros, shapes[1]))
         rest = parts
 
     def body(carry, item):
-        grad_sum, loss_sum, count_sum = carry
-        grads, loss, count = part(item)
-        return (_add(grad_sum, grads, shardings), loss_sum + loss, count_sum + count), None
+        grad_sum, sums_so_far = carry
+        grads, sums = part(item)
+        sums = jax.tree.map(jnp.add, sums_so_far, sums)
+        return (_add(grad_sum, grads, shardings), sums), None
 
     return jax.lax.scan(body, init, rest)[0]

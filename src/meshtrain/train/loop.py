@@ -1,15 +1,14 @@
 """The training run, in the order of the diagram in docs/architecture.md: set-up → checkpoints →
-compiled step → data → state (resumed or fresh) → the loop, where each step is followed by its
-hooks: log, evaluate, save. This is the one module that wires the sinks and hooks together.
+compiled step → data → state (resumed or fresh) → the loop: for each step, its batch, the step,
+then the hooks that are due (train.hooks: metrics, non-finite guard, checkpoint, validation loss,
+lm-eval harness, profiler). This is the one module that wires the sinks and hooks together.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import signal
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,17 +23,18 @@ from meshtrain.data import BatchIterator
 from meshtrain.distributed.preemption import StopSignals
 from meshtrain.inference.initial_weights import check_initial_weights, load_initial_params
 from meshtrain.inference.lora_base import initial_adapters, load_frozen_base
-from meshtrain.observe.communication import CommunicationReport
 from meshtrain.observe.metrics import MetricsWriter, setup_logging
-from meshtrain.observe.profiler import ProfilerWindow
 from meshtrain.observe.progress import phase
 from meshtrain.observe.throughput import ThroughputMeter
 from meshtrain.train.batch import DeviceBatches, process_rows
 from meshtrain.train.evaluation import make_evaluator
-from meshtrain.train.guard import raise_if_nonfinite
-from meshtrain.train.harness_hook import harness_hook
+from meshtrain.train.hooks import AnyOf, Cadence, Hook, HookRunner, StepInfo
+from meshtrain.train.hooks.checkpoint import NonfiniteGuard, SaveCheckpoint
+from meshtrain.train.hooks.harness import harness_tasks
+from meshtrain.train.hooks.profiler import Profiler
+from meshtrain.train.hooks.step_metrics import StepClock, StepMetrics
+from meshtrain.train.hooks.validation import ValidationLoss
 from meshtrain.train.optimizer import build_optimizer
-from meshtrain.train.pipeline_plan import measure_bubble
 from meshtrain.train.resume import check_resume, run_meta
 from meshtrain.train.setup import (
     Setup,
@@ -54,9 +54,6 @@ from meshtrain.train.state import (
 )
 
 log = logging.getLogger(__name__)
-
-# The step's metrics in the order they are logged (nonfinite_skips only with nonfinite=skip).
-_METRICS = ("loss", "learning_rate", "grad_norm", "nonfinite_skips")
 
 
 @dataclass
@@ -99,13 +96,16 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
         _, communication = inspect_compiled(setup, train_step, tx, shardings, run_dir, is_main)
         batches = _batch_iterator(setup, batch_sharding)
         state, start_step = _initial_state(setup, checkpoints, tx, shardings, batches)
-        evaluate = make_evaluator(setup, shardings)
-        harness = harness_hook(cfg, setup.model)
+        clock = StepClock(start_step)
+        saves = SaveCheckpoint(cfg.checkpoint, checkpoints=checkpoints, batches=batches)
+        evaluations = _evaluation_hooks(setup, shardings)
         meter = throughput_meter(setup)
-
+        metrics_hooks = _metrics_hooks(
+            setup, evaluations, saves, checkpoints, clock, meter, batches
+        )
+        profiler = Profiler(setup, run_dir, communication, is_main=is_main)
         history: list[dict[str, float]] = []
         stopped_by: int | None = None
-        clock = _Interval(start_step)
         with (
             MetricsWriter(
                 run_dir,
@@ -115,49 +115,26 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
                 tokens_per_step=setup.global_batch * cfg.data.seq_len,
                 config=cfg,  # its logging.trackers, and the config each of them logs
             ) as writer,
-            ProfilerWindow(
-                cfg.profile,
-                run_dir,
-                enabled=training.profile,
-                last_step=training.steps,
-                on_trace=_report_measured(setup, communication, run_dir, is_main),
-            ) as profiler,
+            HookRunner(
+                # In this order: a checkpoint is saved before any evaluation of its step runs.
+                [profiler, *metrics_hooks, saves, *evaluations],
+                write=lambda step, record: _write(writer, history, step, record),
+                restart_clock=clock.restart,
+            ) as hooks,
         ):
             clock.restart(start_step)  # opening the trackers is not step time
             for step in range(start_step + 1, training.steps + 1):
                 batch = next(batches)  # read and sent while the previous step ran
-                profiler.before_step(step, state)
+                hooks.before_step(step, state)
                 state, metrics = train_step(state, batch)
                 writer.dispatched(step, metrics["loss"])
                 is_last = step == training.steps
                 if not is_last:
                     with meter.data_wait():
                         batches.prefetch()  # the next batch, while the devices run this step
-                profiler.after_step(step, state)
-
                 stop = signals.stop_requested(step)
-                eval_now = evaluate is not None and (is_last or step % training.eval_every == 0)
-                harness_now = harness is not None and harness.due(step, is_last)
-                log_now = step == start_step + 1 or step % training.log_every == 0 or is_last
-                if log_now or eval_now or harness_now or stop:
-                    values = _step_metrics(metrics, clock, meter, step, setup)
-                    values.update(_data_shares(batches, step))
-                    if eval_now:
-                        values["val_loss"] = evaluate(state)
-                        values["val_perplexity"] = math.exp(min(values["val_loss"], 80.0))
-                        clock.restart(step)  # evaluation time is not step time
-                    if harness_now:
-                        values.update(harness(state))
-                        clock.restart(step)
-                    history.append({"step": step, **values})
-                    writer.write(step, values)
-                    _stop_if_nonfinite(state, cfg, checkpoints)
-                saved = _save_checkpoint(
-                    checkpoints, step, state, batches, cfg, force=is_last or stop
-                )
-                if saved:  # the save waited for the step; its own time is not step time
-                    clock.restart(step)
-                if saved and not (stop or is_last):
+                hooks.run(StepInfo(step, state, metrics, step == start_step + 1, is_last, stop))
+                if saves.saved_step == step and not (stop or is_last):
                     # A signal that came during this save: stop on the checkpoint just saved,
                     # rather than train and save one more step (every process saved here).
                     stop = signals.stop_requested(step, agree_now=True)
@@ -243,84 +220,50 @@ def _initial_state(
     return join_state(params, rest, frozen), start_step
 
 
-class _Interval:
-    """Wall time of the steps since the last measurement: fetching a step's metrics waits for
-    it, so the interval up to a fetch is real device time. The step was compiled before the
-    loop; the first step includes only warm-up effects."""
-
-    def __init__(self, step: int) -> None:
-        self.restart(step)
-
-    def restart(self, step: int) -> None:
-        self.start, self.step = time.perf_counter(), step
-
-    def per_step(self, step: int) -> float:
-        now = time.perf_counter()
-        seconds = (now - self.start) / (step - self.step)
-        self.start, self.step = now, step
-        return seconds
+def _evaluation_hooks(setup: Setup, shardings: TrainState) -> list[Hook]:
+    """The evaluations of the state after a step, in order: the validation loss (where
+    training.eval_every and held-out data give one), the lm-eval harness (eval.harness)."""
+    hooks: list[Hook] = []
+    evaluate = make_evaluator(setup, shardings)
+    if evaluate is not None:
+        every, perplexity = setup.cfg.training.eval_every, setup.objective.perplexity
+        hooks.append(ValidationLoss(evaluate, every=every, perplexity=perplexity))
+    harness = harness_tasks(setup.cfg, setup.model)
+    if harness is not None:
+        hooks.append(harness)
+    return hooks
 
 
-def _step_metrics(
-    metrics: dict[str, jax.Array],
-    clock: _Interval,
-    meter: ThroughputMeter,
-    step: int,
+def _metrics_hooks(
     setup: Setup,
-) -> dict[str, float]:
-    """The logged values of a step: its metrics (one host transfer) and the throughput."""
-    fetched = jax.device_get(metrics)
-    values = {k: float(fetched[k]) for k in _METRICS if k in fetched}
-    values["step_time_s"] = clock.per_step(step)
-    tokens_per_step = setup.global_batch * setup.cfg.data.seq_len
-    values["tokens_per_sec"] = tokens_per_step / values["step_time_s"]
-    values.update(meter.metrics(values["step_time_s"]))
-    return values
-
-
-def _data_shares(batches: DeviceBatches, step: int) -> dict[str, float]:
-    """data_share/<source>: each mixture source's share of the sequences of steps 1..step, as
-    drawn (the steps before a resume included)."""
-    return {f"data_share/{name}": share for name, share in batches.shares(step).items()}
-
-
-def _stop_if_nonfinite(state: TrainState, cfg: Config, checkpoints: RunCheckpoints) -> None:
-    last = checkpoints.last_saved
-    raise_if_nonfinite(state.nonfinite, cfg.training.nonfinite, last_saved=last)
-
-
-def _save_checkpoint(
+    evaluations: list[Hook],
+    saves: SaveCheckpoint,
     checkpoints: RunCheckpoints,
-    step: int,
-    state: TrainState,
+    clock: StepClock,
+    meter: ThroughputMeter,
     batches: DeviceBatches,
-    cfg: Config,
-    *,
-    force: bool,
-) -> bool:
-    """Saves when due (checkpoint.every_steps, the last step, a stop signal); never a state
-    that has met a NaN or Inf with training.nonfinite=stop. Returns whether a save started."""
-    if not checkpoints.is_due(step, force=force):
-        return False
-    _stop_if_nonfinite(state, cfg, checkpoints)
-    params, rest = split_state(state)
-    checkpoints.save(step, params, rest, batches)
-    return True
+) -> list[Hook]:
+    """The step's metrics, read wherever a record is written (the run's first step, every
+    training.log_every steps, the last, a stop, and every evaluation), then the non-finite guard
+    wherever a record is written or a checkpoint saved."""
+    training = setup.cfg.training
+    logged = Cadence(every=training.log_every, first=True, last=True, stop=True)
+    record = AnyOf((logged, *(hook.cadence for hook in evaluations)))
+    step_metrics = StepMetrics(
+        record,
+        clock=clock,
+        meter=meter,
+        tokens_per_step=setup.global_batch * setup.cfg.data.seq_len,
+        batches=batches,
+    )
+    guard = NonfiniteGuard(
+        AnyOf((record, saves.cadence)), mode=training.nonfinite, checkpoints=checkpoints
+    )
+    return [step_metrics, guard]
 
 
-def _report_measured(
-    setup: Setup, communication: CommunicationReport, run_dir: Path, is_main: bool
-) -> Callable[[Path, int], None]:
-    """The profiler's hook: the collectives' measured share of the traced steps, and the
-    pipeline's measured bubble."""
-
-    def on_trace(trace: Path, num_steps: int) -> None:
-        lines = communication.measure(trace, num_steps)
-        if setup.pipeline is not None:
-            lines += measure_bubble(setup.pipeline, communication, setup.mesh, trace, num_steps)
-        for line in lines:
-            log.info(line)
-        if setup.cfg.training.profile_communication and is_main:
-            communication.write(run_dir / "communication.json")
-
-    return on_trace
+def _write(
+    writer: MetricsWriter, history: list[dict[str, float]], step: int, record: Mapping[str, float]
+) -> None:
+    history.append({"step": step, **record})
+    writer.write(step, record)

@@ -44,6 +44,7 @@ from meshtrain.parallel.mesh import MeshSpec, build_mesh, format_mesh_shape, par
 from meshtrain.parallel.rules import logical_to_spec, mesh_axes_for
 from meshtrain.train.documents import TokenFormat, token_format
 from meshtrain.train.gradients import gradient_sync
+from meshtrain.train.objectives import Objective, StepInputs, build_objective
 from meshtrain.train.optimizer import learning_rate_schedule
 from meshtrain.train.pipeline_plan import PipelinePlan, pipeline_plan
 from meshtrain.train.state import TrainState, abstract_train_state
@@ -66,6 +67,12 @@ class Setup:
     validation_data: TokenDataset | None
     token_format: TokenFormat  # how the step reads a batch (targets with loss, documents)
     pipeline: PipelinePlan | None = None  # the pp stages' schedule (train.pipeline)
+
+    @property
+    def objective(self) -> Objective:
+        """What the step minimises, reading the batches as this set-up does."""
+        compute_dtype = COMPUTE_DTYPES[self.cfg.training.mixed_precision]
+        return build_objective(StepInputs(self.token_format, compute_dtype, self.pipeline))
 
     @property
     def batch_shards(self) -> int:
@@ -264,9 +271,8 @@ def compile_train_step(
         learning_rate_schedule(cfg.training),
         state_shardings=shardings,
         batch_sharding=batch_sharding,
-        token_format=setup.token_format,
+        objective=setup.objective,
         training=cfg.training,
-        pipeline=setup.pipeline,
     )
     abstract_batch = jax.ShapeDtypeStruct(setup.batch_shape, np.int32, sharding=batch_sharding)
     with phase(log, "compiling the train step", "compiled the train step"):

@@ -1,0 +1,68 @@
+"""The step's own record: its metrics (loss, learning rate, gradient norm; one host transfer),
+its time, tokens per second, MFU, the data wait, and each mixture source's share of the data."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import jax
+
+from meshtrain.observe.throughput import ThroughputMeter
+from meshtrain.train.batch import DeviceBatches
+from meshtrain.train.hooks.base import AnyOf, Cadence, StepInfo
+
+# The step's metrics in the order they are logged (nonfinite_skips only with nonfinite=skip);
+# the objective's own follow them.
+STEP_METRICS = ("loss", "learning_rate", "grad_norm", "nonfinite_skips")
+
+
+class StepClock:
+    """Wall time of the steps since the last measurement: fetching a step's metrics waits for
+    it, so the interval up to a fetch is real device time. The step was compiled before the
+    loop; the first step includes only warm-up effects. `restart` keeps what ran since (a hook's
+    time, opening the trackers) out of the next measurement."""
+
+    def __init__(self, step: int) -> None:
+        self.restart(step)
+
+    def restart(self, step: int) -> None:
+        self.start, self.step = time.perf_counter(), step
+
+    def per_step(self, step: int) -> float:
+        now = time.perf_counter()
+        seconds = (now - self.start) / (step - self.step)
+        self.start, self.step = now, step
+        return seconds
+
+
+class StepMetrics:
+    """The hook that reads the step's metrics from the devices, wherever a record is due."""
+
+    name = "step metrics"
+    part_of_step = True  # the fetch waits for the step itself
+
+    def __init__(
+        self,
+        cadence: Cadence | AnyOf,
+        *,
+        clock: StepClock,
+        meter: ThroughputMeter,
+        tokens_per_step: int,
+        batches: DeviceBatches,
+    ) -> None:
+        self.cadence, self.clock, self.meter = cadence, clock, meter
+        self.tokens_per_step, self.batches = tokens_per_step, batches
+
+    def __call__(self, info: StepInfo) -> Mapping[str, float]:
+        fetched = jax.device_get(dict(info.metrics))
+        values = {k: float(fetched[k]) for k in STEP_METRICS if k in fetched}
+        values.update({k: float(v) for k, v in fetched.items() if k not in STEP_METRICS})
+        values["step_time_s"] = self.clock.per_step(info.step)
+        values["tokens_per_sec"] = self.tokens_per_step / values["step_time_s"]
+        values.update(self.meter.metrics(values["step_time_s"]))
+        # data_share/<source>: each mixture source's share of the sequences of steps 1..step,
+        # as drawn (the steps before a resume included).
+        shares = self.batches.shares(info.step).items()
+        values.update({f"data_share/{name}": share for name, share in shares})
+        return values
