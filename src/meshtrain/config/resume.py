@@ -63,6 +63,8 @@ REFUSED = (
     "data.messages_key",
     "data.prompt_key",
     "data.completion_key",
+    "data.chosen_key",
+    "data.rejected_key",
     "data.chat_template",
     "data.train_on",
     "data.overlong",
@@ -74,6 +76,10 @@ REFUSED = (
     "data.on_bad_record",
     "training.seed",
     "training.global_batch_size",  # sequences per step, however they are made up
+    "objective.name",
+    "objective.loss_type",
+    "objective.reference",
+    "objective.reference_weights",  # its identity (inference.lora_base: the caller puts it here)
 )
 ALLOWED = (
     "model.name",
@@ -106,6 +112,9 @@ ALLOWED = (
     "training.nonfinite",
     "training.pipeline",
     "eval",
+    "objective.beta",
+    "objective.label_smoothing",
+    "objective.gamma",
 )
 IGNORED = (
     "model.init_std",  # a resumed run is not initialised

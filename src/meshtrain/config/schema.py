@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args
 from meshtrain.config.caches import AUTO_CACHE
 from meshtrain.config.evaluation import EvalConfig
 from meshtrain.config.lora import LoraConfig
+from meshtrain.config.objective import ObjectiveConfig
 from meshtrain.config.trackers import LoggingConfig
 
 Activation = Literal["silu", "gelu"]
@@ -44,7 +45,7 @@ PipelineSchedule = Literal["gpipe", "circular", "1f1b"]
 """training.pipeline.schedule."""
 ResumeMode = Literal["auto", "never"]
 """checkpoint.resume, unless it is a checkpoint path."""
-DataSource = Literal["text", "prepared", "synthetic", "chat"]
+DataSource = Literal["text", "prepared", "synthetic", "chat", "preference"]
 """data.source: local documents (tokenised once into the data cache), a directory made by
 `python -m meshtrain.data.prepare`, or random tokens."""
 BadRecordPolicy = Literal["error", "skip"]
@@ -190,7 +191,7 @@ class MixtureSource:
 @dataclass
 class DataConfig:
     source: str = "text"  # DataSource
-    """Where sequences come from: text (local documents), prepared (a meshtrain.data.prepare directory) or synthetic (random tokens)."""
+    """Where sequences come from: text (local documents), prepared (a meshtrain.data.prepare directory), synthetic (random tokens), chat (conversations) or preference (pairs of answers: prompt, chosen, rejected)."""
     paths: list[str] = field(default_factory=list)
     """text: files, directories or globs; the format comes from the extension (.jsonl, .jsonl.gz, .parquet; any other file is one document). Empty: data.path and data.glob."""
     path: str | None = None
@@ -202,15 +203,19 @@ class DataConfig:
     messages_key: str = "messages"
     """chat: the field or column of a conversation, a list of {role, content} (system, user, assistant)."""
     prompt_key: str = "prompt"
-    """chat: the field or column of a prompt (a string, or a list of messages), with completion_key."""
+    """chat and preference: the field or column of a prompt (a string, or a list of messages), with completion_key (chat) or chosen_key and rejected_key (preference)."""
     completion_key: str = "completion"
     """chat: the field or column of the completion that answers prompt_key."""
+    chosen_key: str = "chosen"
+    """preference: the field or column of the preferred answer (a string, or a list of messages; without prompt_key, a whole conversation)."""
+    rejected_key: str = "rejected"
+    """preference: the field or column of the answer not preferred, in the form of chosen_key."""
     chat_template: str | None = None
-    """chat: a .jinja file rendering conversations; null: the tokenizer's own (tokenizer_config.json or chat_template.jinja)."""
+    """chat and preference: a .jinja file rendering conversations; null: the tokenizer's own (tokenizer_config.json or chat_template.jinja)."""
     train_on: str | None = None  # TrainOn
     """chat: the tokens that carry loss: assistant (every assistant turn), completion (the completion; for messages, the last assistant turn) or all; null: assistant for messages, completion for prompt/completion."""
     overlong: str = "truncate"  # Overlong
-    """chat: a conversation longer than data.seq_len + 1 tokens is truncated (counted in the log), dropped (counted) or an error."""
+    """chat: a conversation longer than data.seq_len + 1 tokens is truncated (counted in the log), dropped (counted) or an error; preference: the same for a pair (chosen and rejected together), truncation cutting each answer's end."""
     mixture: list[MixtureSource] = field(default_factory=list)
     """Sources sampled by weight, deterministically from training.seed ([{name, paths, weight}, ...]); replaces data.paths."""
     document_masking: bool = True
@@ -382,3 +387,4 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)

@@ -12,6 +12,7 @@ from meshtrain.accelerators import accelerator_named
 from meshtrain.config.context import check_context_parallel
 from meshtrain.config.evaluation import check_eval
 from meshtrain.config.lora import check_lora
+from meshtrain.config.objective import check_objective
 from meshtrain.config.pipeline import check_pipeline
 from meshtrain.config.resume import check_allow_changes
 from meshtrain.config.schema import (
@@ -105,16 +106,20 @@ def _check_data(data: DataConfig) -> None:
             "data=text needs data.paths: files, directories or globs of documents, e.g. "
             "'data.paths=[corpus/*.jsonl]'",
         )
-    elif data.source == "chat":
+    elif data.source in ("chat", "preference"):
+        records = {
+            "chat": "conversations (messages) or prompt/completion records, e.g. "
+            "'data.paths=[chats/*.jsonl]'",
+            "preference": "prompt/chosen/rejected records, e.g. 'data.paths=[pairs/*.jsonl]'",
+        }[data.source]
         require(
             bool(data.paths),
-            "data=chat needs data.paths: .jsonl, .jsonl.gz or .parquet files of conversations "
-            "(messages) or prompt/completion records, e.g. 'data.paths=[chats/*.jsonl]'",
+            f"data={data.source} needs data.paths: .jsonl, .jsonl.gz or .parquet files of {records}",
         )
         require(
             data.tokenizer != "byte",
-            "data=chat needs the model's Hugging Face tokenizer: set data.tokenizer=DIR (the "
-            "directory with tokenizer.json and its chat template)",
+            f"data={data.source} needs the model's Hugging Face tokenizer: set data.tokenizer=DIR "
+            "(the directory with tokenizer.json and its chat template)",
         )
     elif data.source == "prepared":
         require(
@@ -128,6 +133,9 @@ def check_config(cfg: Config) -> None:
     model, data, training = cfg.model, cfg.data, cfg.training
     check_lora(model)
     check_eval(cfg.eval)
+    check_objective(
+        cfg.objective, data_source=cfg.data.source, document_masking=cfg.data.document_masking
+    )
     for key in (
         "vocab_size",
         "d_model",

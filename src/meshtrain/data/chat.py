@@ -74,7 +74,7 @@ class GenerationPrompt:
     stop_ids: tuple[int, ...]  # eos and the token that closes an assistant turn
 
 
-def _messages(value: Any, key: str) -> list[dict[str, Any]]:
+def checked_messages(value: Any, key: str) -> list[dict[str, Any]]:
     """`value` checked as a list of messages, as the template sees them: keys whose value is None
     dropped, the reasoning under each of its names (transformers' normalisation)."""
     if not isinstance(value, list | tuple) or not value:
@@ -179,7 +179,7 @@ class ChatEncoder:
         )
 
     def encode_messages(self, messages: Any, *, train_on: TrainOn = "assistant") -> EncodedChat:
-        messages = _messages(messages, self.keys[0])
+        messages = checked_messages(messages, self.keys[0])
         assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         selected = assistant[-1:] if train_on == "completion" else assistant
         return self._encode_conversation(messages, selected, train_on, "the conversation")
@@ -195,7 +195,9 @@ class ChatEncoder:
                 f"{prompt_key!r} and {completion_key!r} must both be strings or both lists of messages, "
                 f"not {type(prompt).__name__} and {type(completion).__name__}"
             )
-        messages = _messages(prompt, prompt_key) + _messages(completion, completion_key)
+        messages = checked_messages(prompt, prompt_key) + checked_messages(
+            completion, completion_key
+        )
         first = 0 if train_on == "assistant" else len(prompt)
         selected = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first]
         return self._encode_conversation(
@@ -205,7 +207,7 @@ class ChatEncoder:
     def render_generation_prompt(self, messages: Any) -> GenerationPrompt:
         """The ids to generate from after `messages` (add_generation_prompt=True) and the ids to
         stop at."""
-        text = self.render(_messages(messages, self.keys[0]), add_generation_prompt=True)
+        text = self.render(checked_messages(messages, self.keys[0]), add_generation_prompt=True)
         return GenerationPrompt(self.tokenizer.encode_with_offsets(text)[0], self.stop_ids)
 
     def _encode_text(self, prompt: str, completion: str, train_on: TrainOn) -> EncodedChat:

@@ -1,10 +1,12 @@
-"""Chat records as the token ids a prepared unit stores: each conversation rendered and marked by
-meshtrain.data.chat, its untrained tokens carrying data.flags' NOT_TRAINED bit (uint32 ids), so
-the trained tokens are stored with the tokens and read with them.
+"""Chat and preference records as the token ids a prepared unit stores: each conversation
+rendered and marked by meshtrain.data.chat (data.source=chat), or each pair by
+meshtrain.data.preference (data.source=preference: chosen then rejected), its untrained tokens
+carrying data.flags' NOT_TRAINED bit (uint32 ids), so the trained tokens are stored with the
+tokens and read with them.
 
-`chat_options(data)` are what define those ids beyond the tokenizer: the record keys, train_on,
-the template file and its content hash. The plan of a prepared directory and the data cache's
-key hold them, so another template or train_on makes other files, never stale ones.
+`chat_options(data)` are what define those ids beyond the tokenizer: the kind of record, its
+keys, train_on, the template file and its content hash. The plan of a prepared directory and the
+data cache's key hold them, so another template or train_on makes other files, never stale ones.
 """
 
 from __future__ import annotations
@@ -18,17 +20,27 @@ import numpy as np
 
 from meshtrain.data.chat import ChatEncoder, build_chat_encoder, load_chat_template
 from meshtrain.data.flags import NOT_TRAINED
+from meshtrain.data.preference import PairEncoder, PreferenceKeys
 
 if TYPE_CHECKING:  # prepare's workers load no config package
     from meshtrain.config.schema import DataConfig
 
 TRAIN_ON = ("assistant", "completion", "all")  # config.schema.TrainOn, without the config
+MARKED_SOURCES = ("chat", "preference")  # the data.source values whose ids carry marks
 _ENCODERS: dict[str, ChatEncoder] = {}  # one per worker process and options
 
 
 def chat_options(data: DataConfig) -> dict[str, Any] | None:
-    """The options that define chat data's ids (None for other data); a missing or broken
-    template is a one-line DataError here, before anything is read."""
+    """The options that define chat or preference data's ids (None for other data); a missing
+    or broken template is a one-line DataError here, before anything is read."""
+    if data.source == "preference":
+        return preference_options_for(
+            data.tokenizer,
+            chat_template=data.chat_template,
+            prompt_key=data.prompt_key,
+            chosen_key=data.chosen_key,
+            rejected_key=data.rejected_key,
+        )
     if data.source != "chat":
         return None
     return chat_options_for(
@@ -62,15 +74,48 @@ def chat_options_for(
     }
 
 
+def preference_options_for(
+    tokenizer: str,
+    *,
+    chat_template: str | None,
+    prompt_key: str,
+    chosen_key: str,
+    rejected_key: str,
+) -> dict[str, Any]:
+    """The options of preference data (data.source=preference)."""
+    template = load_chat_template(tokenizer, chat_template)
+    return {
+        "kind": "preference",
+        "prompt_key": prompt_key,
+        "chosen_key": chosen_key,
+        "rejected_key": rejected_key,
+        "chat_template": chat_template,
+        "template_sha256": hashlib.sha256(template.text.encode()).hexdigest(),
+    }
+
+
+def is_preference(options: dict[str, Any] | None) -> bool:
+    return options is not None and options.get("kind") == "preference"
+
+
 def record_keys(options: dict[str, Any]) -> tuple[str, ...]:
-    """The record fields (parquet columns) chat data reads."""
+    """The record fields (parquet columns) chat or preference data reads."""
+    if is_preference(options):
+        return options["prompt_key"], options["chosen_key"], options["rejected_key"]
     return options["messages_key"], options["prompt_key"], options["completion_key"]
 
 
 def flagged_ids(tokenizer: str, options: dict[str, Any]) -> Callable[[dict], np.ndarray]:
-    """record → uint32 [n]: its rendered token ids, NOT_TRAINED set on the tokens not trained.
-    Raises the encoder's one-line DataError for a record it cannot use."""
+    """record → uint32 [n]: its rendered token ids, NOT_TRAINED set on the tokens not trained
+    (a preference record: its pair, meshtrain.data.preference). Raises the encoder's one-line
+    DataError for a record it cannot use."""
     key = json.dumps([tokenizer, options], sort_keys=True)
+    if is_preference(options):
+        if key not in _ENCODERS:
+            _ENCODERS[key] = build_chat_encoder(tokenizer, options["chat_template"])
+        keys = PreferenceKeys(*record_keys(options))
+        pairs = PairEncoder(_ENCODERS[key], keys)
+        return lambda record: pairs.encode(record).flagged()
     if key not in _ENCODERS:
         _ENCODERS[key] = build_chat_encoder(
             tokenizer,

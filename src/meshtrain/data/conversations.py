@@ -10,6 +10,11 @@ tokens by meshtrain.data.chat_data; padding too), DOCUMENT_START on each convers
 A conversation longer than a window is cut to the window (data.overlong=truncate: its trained
 tokens past the cut are lost), left out (drop) or a one-line error (error); the count is kept in
 `overlong` for the log. Nothing is materialised: memory holds a few arrays per conversation.
+
+With `pairs` (preference data), each stored unit is a pair, chosen then rejected
+(meshtrain.data.preference), packed whole like a conversation; a pair longer than a window is
+truncated by cutting the end of each sequence, the longer one first, so that both keep their
+start (the shared prompt and as much of each answer as fits).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from meshtrain.data.flags import DOCUMENT_START, NOT_TRAINED
+from meshtrain.data.preference import pair_bounds
 from meshtrain.errors import DataError
 
 if TYPE_CHECKING:
@@ -52,9 +58,11 @@ class PackedConversations:
         vocab_size: int,
         split: str,
         overlong: str,
+        pairs: bool = False,
     ):
         """parts: (corpus, int64 [n] indices of its conversations), in stream order."""
         self.seq_len, self.split, self.vocab_size = seq_len, split, vocab_size
+        self.pairs = pairs
         self.pad_id = pad_id
         width = seq_len + 1
         self._corpora = [corpus for corpus, _ in parts]
@@ -75,6 +83,7 @@ class PackedConversations:
             )
         keep = ~longer if overlong == "drop" else np.ones(len(lengths), bool)
         self._corpus, self._document = corpus[keep], document[keep]
+        self._full_lengths = lengths[keep]  # [n] the stored lengths, before any cut
         self._lengths = np.minimum(lengths[keep], width)  # [n] tokens taken of each
         self._ends = np.cumsum(self._lengths)  # [n]
         self._firsts = greedy_windows(self._lengths, width)  # [windows + 1]
@@ -92,7 +101,20 @@ class PackedConversations:
         for c in range(int(self._firsts[index]), int(self._firsts[index + 1])):
             length = int(self._lengths[c])
             corpus = self._corpora[int(self._corpus[c])]
-            out[at : at + length] = corpus.read(int(self._document[c]), 0, length)
+            if self.pairs and length < self._full_lengths[c]:
+                unit = corpus.read(int(self._document[c]), 0, int(self._full_lengths[c]))
+                out[at : at + length] = truncated_pair(unit, length)
+            else:
+                out[at : at + length] = corpus.read(int(self._document[c]), 0, length)
             out[at] |= DOCUMENT_START
             at += length
         return out
+
+
+def truncated_pair(unit: np.ndarray, width: int) -> np.ndarray:
+    """A stored pair (chosen then rejected) cut to `width` tokens: the longer sequence's end is
+    cut first, then both evenly, each keeping its start (the rejected one its DOCUMENT_START)."""
+    split = pair_bounds(unit)
+    chosen, rejected = unit[:split], unit[split:]
+    keep_chosen = min(len(chosen), max(width // 2, width - len(rejected)))
+    return np.concatenate([chosen[:keep_chosen], rejected[: width - keep_chosen]])

@@ -55,6 +55,7 @@ _SOURCES = (
     "chat.py",
     "chat_template.py",
     "chat_data.py",
+    "preference.py",
 )
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from meshtrain.config import DataConfig
 from meshtrain.config.caches import cache_dir
-from meshtrain.data.chat_data import chat_options
+from meshtrain.data.chat_data import MARKED_SOURCES, chat_options
 from meshtrain.data.conversations import PackedConversations
 from meshtrain.data.corpus_cache import tokenised_corpus
 from meshtrain.data.mixture import (
@@ -193,7 +193,7 @@ def _packed(
     tokenizer: Tokenizer,
     split: str,
 ) -> PackedDocuments | PackedConversations:
-    if cfg.source == "chat":
+    if cfg.source in MARKED_SOURCES:
         packed = PackedConversations(
             parts,
             seq_len=cfg.seq_len,
@@ -201,15 +201,16 @@ def _packed(
             vocab_size=tokenizer.vocab_size,
             split=split,
             overlong=cfg.overlong,
+            pairs=cfg.source == "preference",
         )
         if packed.overlong:
             done = "truncated to" if cfg.overlong == "truncate" else "left out: longer than"
             log.info(
-                "data: %d of %d %s conversations %s data.seq_len + 1 = %d tokens "
-                "(data.overlong=%s)",
+                "data: %d of %d %s %s %s data.seq_len + 1 = %d tokens (data.overlong=%s)",
                 packed.overlong,
                 sum(len(docs) for _, docs in parts),
                 split,
+                "pairs" if packed.pairs else "conversations",
                 done,
                 cfg.seq_len + 1,
                 cfg.overlong,

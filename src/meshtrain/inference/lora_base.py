@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from meshtrain.config.lora import target_projections
+from meshtrain.config.objective import reads_reference
 from meshtrain.config.schema import Config, ModelConfig
 from meshtrain.data.integrity import hash_file_into
 from meshtrain.errors import ConfigError
@@ -86,10 +87,20 @@ def check_base_unchanged(cfg: Config, saved: dict[str, Any] | None, where: Path)
 
 
 def base_identity(cfg: Config) -> dict[str, Any] | None:
-    """Where a LoRA run's base comes from and the sha256 of its files; None without LoRA. A
-    random base is named by its seed (training.seed, which a resume compares anyway)."""
-    if cfg.model.lora.rank == 0:
-        return None
+    """Where a LoRA run's base comes from and the sha256 of its files; None without LoRA."""
+    return starting_weights_identity(cfg) if cfg.model.lora.rank else None
+
+
+def reference_identity(cfg: Config) -> dict[str, Any] | None:
+    """The identity of a preference run's reference where it is a copy of the starting weights
+    (objective.reference=initial without LoRA, whose reference is its base); else None."""
+    copy = reads_reference(cfg.objective) and not cfg.model.lora.rank
+    return starting_weights_identity(cfg) if copy else None
+
+
+def starting_weights_identity(cfg: Config) -> dict[str, Any]:
+    """Where the weights a fresh run starts from come from and the sha256 of their files; random
+    weights are named by their seed (training.seed, which a resume compares anyway)."""
     if cfg.checkpoint.load_params:
         source = f"checkpoint.load_params={cfg.checkpoint.load_params}"
         return {"source": source, "sha256": _files_sha256(Path(cfg.checkpoint.load_params))}

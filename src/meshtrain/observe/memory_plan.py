@@ -103,6 +103,9 @@ class MemoryPlan:
     # and `lora_savings`' comparison with full fine-tuning; 0 and None without LoRA.
     frozen_bytes: int = 0
     lora: dict[str, Any] | None = None
+    # An objective's reference model held as a frozen copy of the starting weights (DPO without
+    # LoRA: train.objectives.preference), bytes per device within the arguments; 0 without one.
+    reference_bytes: int = 0
     # With a cp axis: shards, chunk (tokens per chunk), tokens_per_device and
     # gathered_kv_bytes (the keys and values each device all-gathers per layer and micro-batch,
     # within the temporaries), parallel.context's.
@@ -137,7 +140,11 @@ class MemoryPlan:
         """What would shrink the plan, the larger part first."""
         fsdp = self.mesh.get("fsdp", 1)
         sharded_state = (
-            self.params_bytes + self.opt_state_bytes + self.grad_bytes + self.frozen_bytes
+            self.params_bytes
+            + self.opt_state_bytes
+            + self.grad_bytes
+            + self.frozen_bytes
+            + self.reference_bytes
         )
         if self.micro_batch_size > 1:
             smaller = (
@@ -174,6 +181,8 @@ class MemoryPlan:
         """The plan in one line, for a run on devices of no known memory size (plan.json and
         `format` hold the whole table)."""
         frozen = f"frozen base {format_bytes(self.frozen_bytes)}, " if self.lora else ""
+        if self.reference_bytes:
+            frozen = f"reference copy {format_bytes(self.reference_bytes)}, "
         return (
             f"memory plan per device: {format_bytes(self.total_bytes)} in all ({frozen}parameters "
             f"{format_bytes(self.params_bytes)}, optimizer state "
@@ -213,6 +222,11 @@ class MemoryPlan:
                 f"(LoRA, stored as {self.lora['base_dtype']}; full fine-tuning would hold "
                 f"{format_bytes(self.lora['full_finetune_state_bytes'])} of parameters, "
                 f"gradients and optimizer state, LoRA {format_bytes(self.lora['lora_state_bytes'])})"
+            )
+        if self.reference_bytes:
+            lines.append(
+                f"  reference copy      {format_bytes(self.reference_bytes):>12}   "
+                "(the objective's reference model: the starting weights, frozen)"
             )
         lines += [
             f"  optimizer state     {format_bytes(self.opt_state_bytes):>12}",
@@ -308,12 +322,15 @@ def memory_plan(
     `unsharded_grad_axes`: the mesh axes gradients are summed whole along before they are
     reduced (train.gradients), if any; `pipeline`: the pp schedule's numbers, if any. LoRA:
     `full_model`, the (shapes, shardings) of every parameter, and the base's storage;
-    `context`: the cp split's numbers, if any."""
+    `context`: the cp split's numbers, if any. Without `full_model`, a frozen part of the state
+    is an objective's reference copy of the parameters."""
     analysis = compiled.memory_analysis()
     params = bytes_per_device(abstract_state.params, state_shardings.params)
     opt_state = bytes_per_device(abstract_state.opt_state, state_shardings.opt_state)
-    frozen, lora = 0, None
-    if abstract_state.frozen is not None:
+    frozen, lora, reference = 0, None, 0
+    if abstract_state.frozen is not None and full_model is None:
+        reference = bytes_per_device(abstract_state.frozen, state_shardings.frozen)
+    elif abstract_state.frozen is not None:
         frozen = bytes_per_device(abstract_state.frozen, state_shardings.frozen)
         lora = lora_savings(full_model, frozen, 2 * params + opt_state, base_dtype)
     replicated_kv = 0
@@ -343,6 +360,7 @@ def memory_plan(
         pipeline=pipeline,
         frozen_bytes=frozen,
         lora=lora,
+        reference_bytes=reference,
         context=context,
     )
 

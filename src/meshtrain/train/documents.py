@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.config.schema import DataConfig
+from meshtrain.data.chat_data import MARKED_SOURCES
 from meshtrain.data.flags import DOCUMENT_START, ID_BITS, NOT_TRAINED
 from meshtrain.data.tokenizer import NO_TOKEN, build_tokenizer
 
@@ -89,4 +90,4 @@ def document_boundaries(data: DataConfig) -> DocumentBoundaries | None:
 
 def token_format(data: DataConfig, pad_id: int = NO_TOKEN) -> TokenFormat:
     """How the step reads batches of `data` (`pad_id`: the dataset's padding id)."""
-    return TokenFormat(pad_id, document_boundaries(data), flagged=data.source == "chat")
+    return TokenFormat(pad_id, document_boundaries(data), flagged=data.source in MARKED_SOURCES)

@@ -59,7 +59,7 @@ def dry_run(
     describe(setup)
     tx = build_optimizer(cfg.training)
     # Outside the mesh's context: optax builds a placeholder state eagerly, on this host.
-    shardings = state_shardings(setup.model, tx, setup.mesh)
+    shardings = state_shardings(setup.model, tx, setup.mesh, reference=setup.reference_copy)
     with jax.set_mesh(setup.mesh), compiling_for:
         start = time.perf_counter()
         # No data is read: nothing is padded, which changes neither memory nor communication.

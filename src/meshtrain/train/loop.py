@@ -23,6 +23,7 @@ from meshtrain.data import BatchIterator
 from meshtrain.distributed.preemption import StopSignals
 from meshtrain.inference.initial_weights import check_initial_weights, load_initial_params
 from meshtrain.inference.lora_base import initial_adapters, load_frozen_base
+from meshtrain.models.initialization import initial_params
 from meshtrain.observe.metrics import MetricsWriter, setup_logging
 from meshtrain.observe.progress import phase
 from meshtrain.observe.throughput import ThroughputMeter
@@ -48,6 +49,7 @@ from meshtrain.train.state import (
     TrainState,
     abstract_train_state,
     create_train_state,
+    init_compiler_options,
     join_state,
     split_state,
     state_shardings,
@@ -75,7 +77,7 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
     cfg = setup.cfg  # with the defaults that depend on the mesh decided (model.scan_layers)
     training = cfg.training
     tx = build_optimizer(training)
-    shardings = state_shardings(setup.model, tx, setup.mesh)
+    shardings = state_shardings(setup.model, tx, setup.mesh, reference=setup.reference_copy)
     checkpoints = _open_checkpoints(setup, tx, shardings, run_dir)
     try:  # until the `with` below, a failure must not keep the run's directory locked
         if is_main:
@@ -206,18 +208,35 @@ def _initial_state(
     if model.lora:  # read at every start: the checkpoints hold only the adapters
         with phase(log, "reading the frozen LoRA base", "read the frozen LoRA base"):
             frozen = load_frozen_base(cfg, model, checkpoint_dir_of_run=run_checkpoints)
+    elif setup.reference_copy:  # read at every start: the checkpoints hold the policy only
+        with phase(log, "reading the reference (the starting weights)", "read the reference"):
+            frozen = _starting_params(cfg, model, shardings, checkpoint_dir_of_run=run_checkpoints)
 
     def fresh() -> tuple[Any, TrainState]:
         if model.lora:
             params = initial_adapters(cfg, model)
         else:
             params = load_initial_params(cfg, model, checkpoint_dir_of_run=run_checkpoints)
-        state = create_train_state(cfg.model, tx, shardings, cfg.training.seed, params, frozen)
+        base = frozen if model.lora else None  # (a reference copy joins the state below)
+        state = create_train_state(cfg.model, tx, shardings, cfg.training.seed, params, base)
         return split_state(state)
 
     with phase(log, "preparing the train state", "prepared the train state"):
         params, rest, start_step = checkpoints.restore_or_init(fresh, batches)
     return join_state(params, rest, frozen), start_step
+
+
+def _starting_params(
+    cfg: Config, model: Any, shardings: TrainState, *, checkpoint_dir_of_run: Path
+) -> Any:
+    """The parameters a fresh run of `cfg` starts from, in their shardings: those it loads
+    (checkpoint.load_params, model.init_from), else its random initial draw, the same as a
+    fresh state's (a preference objective's reference, train.objectives.preference)."""
+    params = load_initial_params(cfg, model, checkpoint_dir_of_run=checkpoint_dir_of_run)
+    if params is None:
+        options = init_compiler_options(shardings)
+        params = initial_params(cfg.model, cfg.training.seed, shardings.params, options)
+    return params
 
 
 def _evaluation_hooks(setup: Setup, shardings: TrainState) -> list[Hook]:
@@ -255,6 +274,7 @@ def _metrics_hooks(
         meter=meter,
         tokens_per_step=setup.global_batch * setup.cfg.data.seq_len,
         batches=batches,
+        objective_metrics=setup.objective.metric_names,
     )
     guard = NonfiniteGuard(
         AnyOf((record, saves.cadence)), mode=training.nonfinite, checkpoints=checkpoints

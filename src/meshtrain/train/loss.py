@@ -200,3 +200,43 @@ def output_cross_entropy(
 
     fused.defvjp(fused_fwd, fused_bwd)
     return fused(x, weight, targets, mask)
+
+
+def target_log_probs(
+    x: jax.Array,
+    weight: jax.Array,
+    layout: str,
+    targets: jax.Array,
+    *,
+    rules: Any,
+    chunk_rows: int | None = None,
+) -> jax.Array:
+    """log_softmax(x · weight)[targets] in fp32 [B, T], read in chunks of about `chunk_rows`
+    (default LOSS_CHUNK_ROWS) tokens per device as output_cross_entropy reads them: x [B, T, D]
+    (final-normed hidden states), weight [V, D] ("VD") or [D, V] ("DV"), targets int32 [B, T].
+    Not differentiated (a preference loss differentiates through output_cross_entropy with each
+    token's weight instead): no [B, T, V] array, no gradient program."""
+    batch, length, _ = x.shape
+    shards = _batch_shards(batch, rules)
+    chunk_rows = LOSS_CHUNK_ROWS if chunk_rows is None else chunk_rows
+    per_chunk = max(1, chunk_rows // max(1, batch // shards))
+    num_chunks = -(-length // per_chunk)
+    chunk = -(-length // num_chunks)
+    padded = num_chunks * chunk
+    gathered_axes = ("vocab", None) if layout == "VD" else (None, "vocab")
+    weight = constrain(jax.lax.stop_gradient(weight), gathered_axes, rules)
+    x, targets = jax.lax.stop_gradient(x), jnp.pad(targets, ((0, 0), (0, padded - length)))
+    x = jnp.pad(x, ((0, 0), (0, padded - length), (0, 0)))
+
+    def chunk_log_probs(inputs: tuple[jax.Array, jax.Array]) -> jax.Array:
+        xc, tc = inputs  # [B, c, D], [B, c]
+        logits = jnp.einsum(f"BTD,{layout}->BTV", xc, weight)
+        logits = constrain(logits, ("batch", "length", "vocab"), rules).astype(jnp.float32)
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        lse = top[..., 0] + jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
+        return _target_logits(logits, tc, shards > 1) - lse  # [B, c]
+
+    xs = jnp.moveaxis(x.reshape(batch, num_chunks, chunk, -1), 1, 0)  # [chunks, B, c, D]
+    ts = jnp.moveaxis(targets.reshape(batch, num_chunks, chunk), 1, 0)
+    log_probs = jax.lax.map(chunk_log_probs, (xs, ts))  # [chunks, B, c]
+    return jnp.moveaxis(log_probs, 0, 1).reshape(batch, padded)[:, :length]

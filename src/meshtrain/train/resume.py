@@ -14,19 +14,21 @@ from meshtrain.config.resume import compare, flatten, refusal
 from meshtrain.config.schema import Config
 from meshtrain.data.shards import tokenizer_identity
 from meshtrain.errors import ConfigError
-from meshtrain.inference.lora_base import base_identity, compared_bases
+from meshtrain.inference.lora_base import base_identity, compared_bases, reference_identity
 
 log = logging.getLogger(__name__)
 
 
 def run_meta(cfg: Config) -> dict[str, Any]:
     """What each checkpoint's meta/ records of the run: its config, its tokenizer's identity
-    (None for synthetic data, which has no tokenizer) and a LoRA run's base (inference.lora_base)."""
+    (None for synthetic data, which has no tokenizer), a LoRA run's base and a preference run's
+    reference copy of the starting weights (inference.lora_base)."""
     synthetic = cfg.data.source == "synthetic"
     return {
         "config": asdict(cfg),
         "tokenizer": None if synthetic else tokenizer_identity(cfg.data.tokenizer),
         "lora_base": base_identity(cfg),
+        "reference": reference_identity(cfg),
     }
 
 
@@ -73,6 +75,9 @@ def check_resume(
     if meta.get("lora_base") or current.get("lora_base"):
         bases = compared_bases(meta.get("lora_base"), current.get("lora_base"))
         saved["model.lora.base"], now["model.lora.base"] = bases
+    if meta.get("reference") or current.get("reference"):
+        references = compared_bases(meta.get("reference"), current.get("reference"))
+        saved["objective.reference_weights"], now["objective.reference_weights"] = references
     changes = compare(saved, now, cfg["checkpoint"]["allow_changes"])
     if any(change.refused for change in changes):
         adapters = bool(meta["config"]["model"].get("lora", {}).get("rank"))

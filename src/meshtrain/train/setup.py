@@ -44,7 +44,7 @@ from meshtrain.parallel.mesh import MeshSpec, build_mesh, format_mesh_shape, par
 from meshtrain.parallel.rules import logical_to_spec, mesh_axes_for
 from meshtrain.train.documents import TokenFormat, token_format
 from meshtrain.train.gradients import gradient_sync
-from meshtrain.train.objectives import Objective, StepInputs, build_objective
+from meshtrain.train.objectives import OBJECTIVES, Objective, StepInputs, build_objective
 from meshtrain.train.optimizer import learning_rate_schedule
 from meshtrain.train.pipeline_plan import PipelinePlan, pipeline_plan
 from meshtrain.train.state import TrainState, abstract_train_state
@@ -72,7 +72,14 @@ class Setup:
     def objective(self) -> Objective:
         """What the step minimises, reading the batches as this set-up does."""
         compute_dtype = COMPUTE_DTYPES[self.cfg.training.mixed_precision]
-        return build_objective(StepInputs(self.token_format, compute_dtype, self.pipeline))
+        inputs = StepInputs(self.token_format, compute_dtype, self.pipeline)
+        return build_objective(inputs, self.cfg.objective)
+
+    @property
+    def reference_copy(self) -> bool:
+        """Whether the train state holds a frozen copy of the starting weights: the objective
+        reads a reference and the model has no LoRA base to be it."""
+        return self.objective.reads_reference and not self.model.lora
 
     @property
     def batch_shards(self) -> int:
@@ -132,6 +139,7 @@ def prepare(
     model = abstract_model(cfg.model, mesh, mesh_spec, compute_dtype)  # shapes: allocates nothing
     micro = micro_batch_size(cfg, mesh_spec)
     pipeline = pipeline_plan(cfg, mesh_spec)
+    _check_objective_on_mesh(cfg, mesh_spec, pipeline)
     try:
         reading = token_format(cfg.data)
     except ValueError as err:
@@ -162,6 +170,27 @@ def prepare(
         dataclasses.replace(reading, pad_id=train_data.pad_id),
         pipeline,
     )
+
+
+def _check_objective_on_mesh(
+    cfg: Config, mesh_spec: MeshSpec, pipeline: PipelinePlan | None
+) -> None:
+    """The objective runs on this mesh: under its pipeline schedule, with sequences split over
+    cp only where it can; else one line, before anything compiles."""
+    objective = OBJECTIVES[cfg.objective.name]
+    if pipeline is not None and pipeline.schedule not in objective.schedules:
+        runs = ", ".join(sorted(objective.schedules)) or "no pipeline schedule"
+        raise ConfigError(
+            f"objective={objective.name} runs under {runs}, not model.mesh_shape's pp="
+            f"{mesh_spec.size('pp')} with training.pipeline.schedule={pipeline.schedule}; "
+            "use a mesh without pp (e.g. fsdp or dp instead)"
+        )
+    shards = sequence_shards(mesh_spec.sizes, cfg.model.logical_axis_rules)
+    if shards > 1 and not objective.context_parallel:
+        raise ConfigError(
+            f"objective={objective.name} does not split sequences over cp (cp={shards} in "
+            "model.mesh_shape); use a mesh without cp"
+        )
 
 
 def context_split(setup: Setup) -> tuple[ContextLayout, int] | None:
@@ -317,7 +346,11 @@ def inspect_compiled(
             cfg.training, setup.mesh, cfg.model.logical_axis_rules
         ).shards,
         pipeline=None if setup.pipeline is None else setup.pipeline.to_json(),
-        full_model=(setup.model.abstract_params, setup.model.param_shardings),
+        full_model=(
+            (setup.model.abstract_params, setup.model.param_shardings)
+            if setup.model.lora
+            else None
+        ),
         base_dtype=cfg.model.lora.base_dtype,
         context=context_plan(setup),
     )

@@ -37,15 +37,18 @@ class TrainState:
     opt_state: optax.OptState
     rng: jax.Array  # uint32 [2]: jax.random.key_data of the train-step key
     nonfinite: NonfiniteRecord
-    # LoRA: the frozen base (models.frozen), never updated nor checkpointed; `params` then
-    # holds the adapters only. None without LoRA.
+    # What the loss reads but does not train, never updated nor checkpointed: with LoRA the
+    # frozen base (models.frozen; `params` then holds the adapters only); with an objective that
+    # reads a reference (train.objectives: DPO) and no LoRA, a copy of the starting weights in
+    # the parameters' shardings. Else None.
     frozen: Any = None
 
 
 def state_shardings(
-    model: AbstractModel, tx: optax.GradientTransformation, mesh: Mesh
+    model: AbstractModel, tx: optax.GradientTransformation, mesh: Mesh, *, reference: bool = False
 ) -> TrainState:
-    """Shardings of the whole train state: Adam's moments follow their parameters."""
+    """Shardings of the whole train state: Adam's moments follow their parameters; `reference`:
+    a copy of the starting weights in `frozen` (without LoRA), sharded like the parameters."""
     replicated = NamedSharding(mesh, PartitionSpec())
     abstract_opt_state = jax.eval_shape(tx.init, model.trainable_params)
     opt_shardings = optax.tree_map_params(
@@ -61,7 +64,9 @@ def state_shardings(
         opt_state=opt_shardings,
         rng=replicated,
         nonfinite=jax.tree.map(lambda _: replicated, initial_record()),
-        frozen=model.frozen_shardings,
+        frozen=model.trainable_shardings
+        if reference and not model.lora
+        else model.frozen_shardings,
     )
 
 
@@ -144,6 +149,8 @@ def abstract_train_state(
     """The train state as ShapeDtypeStructs carrying their shardings, allocating nothing: the
     restore target of a checkpoint, and enough to compile the train step."""
     shapes = train_state_shapes(model, tx)
+    if shardings.frozen is not None and not model.lora:  # a reference copy of the parameters
+        shapes = shapes.replace(frozen=shapes.params)
     return jax.tree.map(
         lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
         shapes,

@@ -13,7 +13,7 @@ from meshtrain.train.batch import DeviceBatches
 from meshtrain.train.hooks.base import AnyOf, Cadence, StepInfo
 
 # The step's metrics in the order they are logged (nonfinite_skips only with nonfinite=skip);
-# the objective's own follow them.
+# the objective's own follow them (Objective.metric_names).
 STEP_METRICS = ("loss", "learning_rate", "grad_norm", "nonfinite_skips")
 
 
@@ -50,14 +50,15 @@ class StepMetrics:
         meter: ThroughputMeter,
         tokens_per_step: int,
         batches: DeviceBatches,
+        objective_metrics: tuple[str, ...] = (),
     ) -> None:
         self.cadence, self.clock, self.meter = cadence, clock, meter
         self.tokens_per_step, self.batches = tokens_per_step, batches
+        self.names = (*STEP_METRICS, *objective_metrics)
 
     def __call__(self, info: StepInfo) -> Mapping[str, float]:
         fetched = jax.device_get(dict(info.metrics))
-        values = {k: float(fetched[k]) for k in STEP_METRICS if k in fetched}
-        values.update({k: float(v) for k, v in fetched.items() if k not in STEP_METRICS})
+        values = {k: float(fetched[k]) for k in self.names if k in fetched}
         values["step_time_s"] = self.clock.per_step(info.step)
         values["tokens_per_sec"] = self.tokens_per_step / values["step_time_s"]
         values.update(self.meter.metrics(values["step_time_s"]))

@@ -1,18 +1,21 @@
-"""What the train step minimises (train.objectives.base): the next-token loss (next_token), and
-the objectives that register beside it in OBJECTIVES."""
+"""What the train step minimises (train.objectives.base): the next-token loss (next_token) and
+preference optimisation on pairs (preference), registered by name in OBJECTIVES
+(objective.name)."""
 
 from __future__ import annotations
 
+from meshtrain.config.objective import ObjectiveConfig
 from meshtrain.train.objectives.base import Objective, StepInputs
 from meshtrain.train.objectives.next_token import NextToken
+from meshtrain.train.objectives.preference import Preference
 
-# objective name → its class.
-OBJECTIVES: dict[str, type[Objective]] = {NextToken.name: NextToken}
-
-
-def build_objective(inputs: StepInputs, name: str = NextToken.name) -> Objective:
-    """The objective `name` for a step that reads its rows as `inputs` say."""
-    return OBJECTIVES[name](inputs)
+# objective.name → its class.
+OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (NextToken, Preference)}
 
 
-__all__ = ["OBJECTIVES", "NextToken", "Objective", "StepInputs", "build_objective"]
+def build_objective(inputs: StepInputs, cfg: ObjectiveConfig) -> Objective:
+    """The objective of `cfg` for a step that reads its rows as `inputs` say."""
+    return OBJECTIVES[cfg.name](inputs, cfg)
+
+
+__all__ = ["OBJECTIVES", "NextToken", "Objective", "Preference", "StepInputs", "build_objective"]

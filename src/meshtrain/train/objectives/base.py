@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from meshtrain.config.objective import ObjectiveConfig
 from meshtrain.models.abstract import AbstractModel
 from meshtrain.models.frozen import is_quantized
 from meshtrain.models.lora import AdapterDropout
@@ -72,10 +73,13 @@ class Objective(ABC):
 
     name: ClassVar[str]
     schedules: ClassVar[frozenset[str]] = frozenset()  # pipeline schedules it runs under
+    context_parallel: ClassVar[bool] = False  # runs with sequences split over cp
     perplexity: ClassVar[bool] = False  # its loss is a mean next-token loss (val_perplexity)
+    reads_reference: bool = False  # reads a frozen reference model (train.state's `frozen`)
+    metric_names: ClassVar[tuple[str, ...]] = ()  # its own metrics, in the order they are logged
 
-    def __init__(self, inputs: StepInputs) -> None:
-        self.inputs = inputs
+    def __init__(self, inputs: StepInputs, cfg: ObjectiveConfig | None = None) -> None:
+        self.inputs, self.cfg = inputs, cfg or ObjectiveConfig()
 
     @abstractmethod
     def sums(

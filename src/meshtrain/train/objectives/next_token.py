@@ -30,6 +30,7 @@ class NextToken(Objective):
 
     name = "lm"
     schedules = frozenset({"gpipe", "circular", "1f1b"})
+    context_parallel = True
     perplexity = True
 
     def sums(

@@ -1,0 +1,175 @@
+"""Preference records → a pair of token sequences, chosen then rejected, as trl's DPOTrainer
+tokenizes them, marked for the loss (data.source=preference; docs/preference.md).
+
+A record is written as trl's preference datasets are:
+
+- explicit prompt: `prompt`, `chosen` and `rejected` (data.prompt_key, data.chosen_key,
+  data.rejected_key), three strings, or three lists of messages {role, content};
+- implicit prompt: `chosen` and `rejected` only, two conversations that share their first turns
+  (the shared turns are the prompt, as trl's `extract_prompt` takes them).
+
+Conversations are rendered with the tokenizer's chat template (meshtrain.data.chat_template, as
+transformers' apply_chat_template renders them): the prompt with the template's generation
+prompt, then the prompt with each answer. Plain strings are tokenized as text, with the
+tokenizer's specials, each answer ending in eos. Either way, as trl does, each sequence is the
+tokenized prompt + answer, and its answer starts where it and the tokenized prompt alone first
+differ (the same point for both answers: the shorter of the two common prefixes), so the prompt
+tokens of the two sequences are the same. The answer tokens carry the loss, the prompt's carry
+data.flags' NOT_TRAINED.
+
+The pair is stored as one unit: the chosen sequence, then the rejected one, whose first token
+carries DOCUMENT_START. Packing keeps a unit whole in one sequence (meshtrain.data.conversations),
+so the two answers of a pair are always in one micro-batch and on one device, and the objective
+(meshtrain.train.objectives.preference) finds each pair from the document starts: in a packed
+sequence, documents 1 and 2 are the first pair's chosen and rejected, 3 and 4 the second's...
+
+Errors are one-line DataErrors without a file or line, which the caller prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from meshtrain.data.chat import ChatEncoder, checked_messages
+from meshtrain.data.flags import DOCUMENT_START, NOT_TRAINED
+from meshtrain.errors import DataError
+
+
+@dataclass(frozen=True)
+class PreferenceKeys:
+    """The record fields of a pair (data.prompt_key, data.chosen_key, data.rejected_key)."""
+
+    prompt: str = "prompt"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
+
+
+@dataclass(frozen=True)
+class EncodedPair:
+    chosen: np.ndarray  # int32 [n]: prompt + chosen answer
+    rejected: np.ndarray  # int32 [m]: prompt + rejected answer
+    prompt_length: int  # tokens of the shared prompt at the start of both
+
+    def flagged(self) -> np.ndarray:
+        """uint32 [n + m]: the unit a prepared corpus stores (see the module docstring)."""
+        ids = np.concatenate([self.chosen, self.rejected]).astype(np.uint32)
+        positions = np.concatenate([np.arange(len(self.chosen)), np.arange(len(self.rejected))])
+        ids[positions < self.prompt_length] |= NOT_TRAINED
+        ids[len(self.chosen)] |= DOCUMENT_START
+        return ids
+
+
+def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def split_implicit_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
+    """(prompt, chosen answer, rejected answer) of two conversations (or strings) that share their
+    start, as trl's extract_prompt splits them: the longest shared prefix is the prompt (for
+    strings, ending before a space the two share)."""
+    at = common_prefix_length(chosen, rejected)
+    if isinstance(chosen, str) and at > 0 and chosen[at - 1] == " ":
+        at -= 1
+    return chosen[:at], chosen[at:], rejected[at:]
+
+
+class PairEncoder:
+    """Encodes preference records with a chat encoder's tokenizer and template."""
+
+    def __init__(self, chat: ChatEncoder, keys: PreferenceKeys = PreferenceKeys()) -> None:
+        self.chat, self.keys = chat, keys
+
+    def encode(self, record: Mapping[str, Any]) -> EncodedPair:
+        keys = self.keys
+        if not isinstance(record, Mapping):
+            raise DataError(f"a preference record is an object, not a {type(record).__name__}")
+        missing = [k for k in (keys.chosen, keys.rejected) if k not in record]
+        if missing:
+            found = ", ".join(map(repr, record)) or "none"
+            raise DataError(
+                f"a preference record needs {keys.chosen!r} and {keys.rejected!r} (and "
+                f"{keys.prompt!r}, or conversations that share their first turns); this one has "
+                f"no {missing[0]!r} (its keys: {found})"
+            )
+        chosen, rejected = record[keys.chosen], record[keys.rejected]
+        if keys.prompt in record:
+            prompt = record[keys.prompt]
+        elif isinstance(chosen, list) and isinstance(rejected, list):
+            prompt, chosen, rejected = split_implicit_prompt(chosen, rejected)
+            if not prompt:
+                raise DataError(
+                    f"{keys.chosen!r} and {keys.rejected!r} share no first turn to take as the "
+                    f"prompt; give the prompt as {keys.prompt!r}"
+                )
+        else:
+            raise DataError(
+                f"a preference record without {keys.prompt!r} needs {keys.chosen!r} and "
+                f"{keys.rejected!r} as conversations (lists of messages) that share their first "
+                "turns"
+            )
+        if chosen == rejected:
+            raise DataError(f"{keys.chosen!r} equals {keys.rejected!r}: the pair prefers nothing")
+        if all(isinstance(v, str) for v in (prompt, chosen, rejected)):
+            return self._text(prompt, chosen, rejected)
+        if all(isinstance(v, list | tuple) for v in (prompt, chosen, rejected)):
+            return self._conversation(prompt, chosen, rejected)
+        kinds = ", ".join(type(v).__name__ for v in (prompt, chosen, rejected))
+        raise DataError(
+            f"{keys.prompt!r}, {keys.chosen!r} and {keys.rejected!r} must be three strings or "
+            f"three lists of messages, not {kinds}"
+        )
+
+    def _text(self, prompt: str, chosen: str, rejected: str) -> EncodedPair:
+        """Plain text, as trl: each answer ends in eos, the texts tokenized with specials."""
+        tokenizer = self.chat.tokenizer
+        eos = self.chat.template.special_tokens.get("eos_token")
+
+        def ids(text: str) -> np.ndarray:
+            return tokenizer.encode_with_offsets(text, add_special_tokens=True)[0]
+
+        def ended(answer: str) -> str:
+            return answer if eos is None or answer.endswith(eos) else answer + eos
+
+        full = [ids(prompt + ended(answer)) for answer in (chosen, rejected)]
+        if eos is None:  # a tokenizer without an eos string: its id appended
+            full = [np.append(f, np.int32(tokenizer.eos_id)) for f in full]
+        return self._pair(ids(prompt), *full)
+
+    def _conversation(
+        self, prompt: Sequence[Any], chosen: Sequence[Any], rejected: Sequence[Any]
+    ) -> EncodedPair:
+        keys, chat = self.keys, self.chat
+        prompt = checked_messages(prompt, keys.prompt)
+        answers = [checked_messages(chosen, keys.chosen), checked_messages(rejected, keys.rejected)]
+
+        def ids(messages: list[dict], generation_prompt: bool = False) -> np.ndarray:
+            text = chat.render(messages, add_generation_prompt=generation_prompt)
+            return chat.tokenizer.encode_with_offsets(text)[0]
+
+        return self._pair(ids(prompt, True), *(ids(prompt + answer) for answer in answers))
+
+    def _pair(self, prompt: np.ndarray, chosen: np.ndarray, rejected: np.ndarray) -> EncodedPair:
+        shared = min(common_prefix_length(prompt, chosen), common_prefix_length(prompt, rejected))
+        keys = self.keys
+        for name, ids in ((keys.chosen, chosen), (keys.rejected, rejected)):
+            if len(ids) <= shared:
+                raise DataError(f"{name!r} is empty: the pair has no {name} answer to train on")
+        return EncodedPair(
+            np.asarray(chosen, np.int32), np.asarray(rejected, np.int32), prompt_length=shared
+        )
+
+
+def pair_bounds(unit: np.ndarray) -> int:
+    """Where the rejected sequence of a stored unit (EncodedPair.flagged) starts."""
+    starts = np.flatnonzero(unit[1:] & DOCUMENT_START)
+    return int(starts[0]) + 1

@@ -1,0 +1,362 @@
+"""objective=dpo (meshtrain.train.objectives.preference): the pair losses are the published
+formulas, the loss and gradients of packed pairs equal the unfused definition (each sequence
+alone, log_softmax over its whole logits), the same on any mesh and split of the batch, and bad
+settings are one line before anything compiles. trl's DPOTrainer itself: tests/hf/
+test_preference_live.py (slow, the parity extra)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers.config import compose_config
+from helpers.paths import REPO
+from helpers.runs import train_tiny
+
+from meshtrain.config.objective import ObjectiveConfig
+from meshtrain.config.schema import DEFAULT_LOGICAL_AXIS_RULES
+from meshtrain.config.validate import check_config
+from meshtrain.data.flags import DOCUMENT_START, NOT_TRAINED
+from meshtrain.errors import ConfigError
+from meshtrain.models.abstract import abstract_model
+from meshtrain.models.transformer import Transformer
+from meshtrain.parallel.mesh import build_mesh, parse_mesh_shape
+from meshtrain.train.documents import DocumentBoundaries, TokenFormat
+from meshtrain.train.loss import target_log_probs
+from meshtrain.train.objectives import Preference, StepInputs
+from meshtrain.train.objectives.preference import pair_loss
+from meshtrain.train.setup import prepare
+
+TOKENIZER = REPO / "tests" / "fixtures" / "chat" / "qwen3"
+
+
+def _log_sigmoid(x):
+    return -np.logaddexp(0.0, -x)
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "smoothing"),
+    [
+        ("sigmoid", 0.0),
+        ("sigmoid", 0.2),
+        ("robust", 0.2),
+        ("hinge", 0.0),
+        ("ipo", 0.0),
+        ("simpo", 0.1),
+    ],
+)
+def test_pair_losses_are_the_published_formulas(loss_type, smoothing):
+    rng = np.random.default_rng(0)
+    c, r, rc, rr = (rng.normal(-40, 10, 6) for _ in range(4))
+    nc, nr = rng.integers(1, 30, 6).astype(float), rng.integers(1, 30, 6).astype(float)
+    beta, gamma = 0.3, 0.7
+    cfg = ObjectiveConfig(
+        name="dpo", loss_type=loss_type, beta=beta, label_smoothing=smoothing, gamma=gamma
+    )
+    ours = pair_loss(*(jnp.asarray(a, jnp.float32) for a in (c, r, rc, rr, nc, nr)), cfg)
+    delta = (c - rc) - (r - rr)
+    expected = {  # DPO (Rafailov et al. 2023), cDPO, rDPO (Chowdhury et al. 2024), SLiC, IPO, SimPO
+        "sigmoid": -(1 - smoothing) * _log_sigmoid(beta * delta)
+        - smoothing * _log_sigmoid(-beta * delta),
+        "robust": (
+            -(1 - smoothing) * _log_sigmoid(beta * delta) + smoothing * _log_sigmoid(-beta * delta)
+        )
+        / (1 - 2 * smoothing),
+        "hinge": np.maximum(0.0, 1 - beta * delta),
+        "ipo": ((c - rc) / nc - (r - rr) / nr - 1 / (2 * beta)) ** 2,
+        "simpo": -(1 - smoothing) * _log_sigmoid(beta * (c / nc - r / nr) - gamma)
+        - smoothing * _log_sigmoid(-(beta * (c / nc - r / nr) - gamma)),
+    }[loss_type]
+    np.testing.assert_allclose(ours, expected, rtol=2e-6)
+
+
+def test_target_log_probs_are_log_softmax_in_any_chunks():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(3, 29, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(40, 16)) / 4, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 40, (3, 29)), jnp.int32)
+    log_probs = jax.nn.log_softmax(jnp.einsum("BTD,VD->BTV", x, w), axis=-1)
+    expected = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    for chunk_rows in (3 * 29, 3 * 8, 3):
+        ours = target_log_probs(
+            x, w, "VD", targets, rules=DEFAULT_LOGICAL_AXIS_RULES, chunk_rows=chunk_rows
+        )
+        np.testing.assert_allclose(ours, expected, rtol=1e-6, atol=1e-6)
+
+
+# Two rows of packed pairs: (prompt length, chosen answer, rejected answer) token counts.
+ROWS = [[(3, 4, 2), (2, 1, 5)], [(4, 3, 3)]]
+LENGTH = 33  # seq_len + 1
+
+
+def _packed_rows(rng):
+    """Flagged rows [2, LENGTH] of ROWS' pairs, and each pair's two sequences unpacked."""
+    rows, sequences = [], []
+    for row in ROWS:
+        tokens = []
+        for prompt, chosen, rejected in row:
+            shared = rng.integers(1, 300, prompt)
+            pair = []
+            for answer in (chosen, rejected):
+                ids = np.concatenate([shared, rng.integers(1, 300, answer)]).astype(np.int32)
+                marks = np.where(np.arange(len(ids)) < prompt, NOT_TRAINED, 0)
+                marks[0] |= DOCUMENT_START
+                tokens.append(ids | marks)
+                pair.append((ids, prompt))
+            sequences.append(pair)
+        row = np.concatenate(tokens)
+        rows.append(np.concatenate([row, np.full(LENGTH - len(row), NOT_TRAINED, np.int32)]))
+    return jnp.asarray(np.stack(rows), jnp.int32), sequences
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_packed_pairs_give_the_loss_and_gradients_of_each_sequence_alone(loss_type):
+    cfg = dataclasses.replace(compose_config().model, tie_embeddings=True)
+    spec = parse_mesh_shape([[1, 1], ["fsdp", "tp"]], 1)
+    model = abstract_model(cfg, build_mesh(spec, jax.devices()[:1]), spec)
+    params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    reference = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(1)), nnx.Param))
+    rows, sequences = _packed_rows(np.random.default_rng(0))
+    objective_cfg = ObjectiveConfig(name="dpo", loss_type=loss_type, beta=0.2)
+    reading = TokenFormat(documents=DocumentBoundaries(bos_id=-1, eos_id=-1), flagged=True)
+    objective = Preference(StepInputs(reading, jnp.float32), objective_cfg)
+    sums, grads = jax.jit(objective.loss_and_grads(model))(params, rows, reference)
+
+    def one(weights, ids, prompt):  # the answer's log-probability, the sequence alone
+        net = Transformer(cfg, rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(net)
+        nnx.replace_by_pure_dict(state, weights)
+        logits = nnx.merge(graphdef, state)(jnp.asarray(ids[None, :-1]))[0]
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), ids[1:, None], axis=-1)[:, 0]
+        return jnp.sum(picked[prompt - 1 :]), len(ids) - prompt
+
+    def definition(weights):
+        losses = []
+        for (c_ids, prompt), (r_ids, _) in sequences:
+            (c, nc), (r, nr) = one(weights, c_ids, prompt), one(weights, r_ids, prompt)
+            (rc, _), (rr, _) = one(reference, c_ids, prompt), one(reference, r_ids, prompt)
+            losses.append(pair_loss(c, r, rc, rr, float(nc), float(nr), objective_cfg))
+        return jnp.sum(jnp.stack(losses))
+
+    expected, expected_grads = jax.value_and_grad(definition)(params)
+    assert float(sums["count"]) == 3.0
+    np.testing.assert_allclose(sums["loss"], expected, rtol=1e-5)
+    for ours, theirs in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=2e-6)
+
+
+def _pairs_file(tmp_path, count=24):
+    rng = np.random.default_rng(0)
+    lines = []
+    for _ in range(count):
+        a, b = rng.integers(1, 50, 2)
+        wrong = a + b + rng.choice([-2, -1, 1, 2])
+        lines.append(
+            {
+                "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                "chosen": [{"role": "assistant", "content": str(a + b)}],
+                "rejected": [{"role": "assistant", "content": str(wrong)}],
+            }
+        )
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _dpo(tmp_path, pairs, *overrides, devices):
+    return train_tiny(
+        tmp_path,
+        "data=preference",
+        "objective=dpo",
+        f"data.paths=[{pairs}]",
+        f"data.tokenizer={TOKENIZER}",
+        "model.vocab_size=512",
+        "model.num_layers=1",
+        "data.seq_len=64",
+        "data.validation_fraction=0",
+        "training.global_batch_size=8",
+        "training.steps=3",
+        "training.log_every=1",
+        "training.warmup_steps=1",
+        "training.eval_every=0",
+        "checkpoint.every_steps=0",
+        "training.adam_eps=1e-3",
+        *overrides,
+        devices=devices,
+    )
+
+
+def test_the_same_pairs_give_the_same_losses_on_any_mesh_and_split(tmp_path):
+    pairs = _pairs_file(tmp_path)
+    one = _dpo(tmp_path / "one", pairs, devices=1)
+    split = _dpo(
+        tmp_path / "split",
+        pairs,
+        "model.mesh_shape=[[4,2],[fsdp,tp]]",
+        "training.gradient_accumulation_steps=2",
+        devices=8,
+    )
+    keys = (
+        "loss",
+        "grad_norm",
+        "rewards/chosen",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    )
+    for a, b in zip(one.history, split.history, strict=True):
+        for key in keys:
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6)
+    assert one.history[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)  # policy = reference
+    assert one.history[-1]["rewards/margins"] > 0  # it learns to prefer the right sums
+    # The reference copy is one more set of parameters, sharded like them, not a LoRA base.
+    for run_dir in (tmp_path / "one", tmp_path / "split"):
+        plan = json.loads((run_dir / "plan.json").read_text())
+        assert plan["reference_bytes"] == plan["params_bytes"] > 0
+        assert (plan["frozen_bytes"], plan["lora"]) == (0, None)
+
+
+@pytest.mark.slow  # three more meshes of 8 devices, about 40 s
+@pytest.mark.parametrize(
+    ("mesh", "accumulation"),
+    [("[[8,1],[fsdp,tp]]", 1), ("[[2,2,2],[dp,fsdp,tp]]", 1), ("[[2,2,2],[dp,fsdp,tp]]", 4)],
+)
+def test_more_meshes_and_splits(mesh, accumulation, tmp_path):
+    pairs = _pairs_file(tmp_path)
+    one = _dpo(tmp_path / "one", pairs, devices=1)
+    other = _dpo(
+        tmp_path / "other",
+        pairs,
+        f"model.mesh_shape={mesh}",
+        f"training.gradient_accumulation_steps={accumulation}",
+        "training.micro_batch_size=1" if accumulation == 4 else "training.micro_batch_size=2",
+        devices=8,
+    )
+    for a, b in zip(one.history, other.history, strict=True):
+        for key in ("loss", "grad_norm", "rewards/accuracies", "logps/rejected"):
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ("objective=dpo",),
+            "objective=dpo trains on pairs of answers: set data=preference (data.source='text' holds no pairs)",
+        ),
+        (
+            ("objective=dpo", "data=preference", "objective.beta=0"),
+            "objective.beta=0.0 must be > 0",
+        ),
+        (
+            ("objective=dpo", "data=preference", "objective.loss_type=simpo"),
+            "objective.loss_type=simpo is reference-free: set objective.reference=none",
+        ),
+        (
+            ("objective=dpo", "data=preference", "objective.reference=none"),
+            "objective.loss_type=sigmoid measures the policy against a reference: set "
+            "objective.reference=initial (or objective.loss_type=simpo, which needs none)",
+        ),
+        (
+            (
+                "objective=dpo",
+                "data=preference",
+                "objective.loss_type=ipo",
+                "objective.label_smoothing=0.1",
+            ),
+            "objective.label_smoothing=0.1 applies to sigmoid, robust and simpo, not ipo; set it to 0",
+        ),
+        (
+            ("objective=dpo", "data=preference", "objective.label_smoothing=0.5"),
+            "objective.label_smoothing=0.5 must be in [0, 0.5)",
+        ),
+        (
+            ("objective=dpo", "data=preference", "objective.loss_type=kto"),
+            "objective.loss_type='kto' is not supported; use one of: sigmoid, ipo, hinge, robust, simpo",
+        ),
+        (
+            ("objective=dpo", "data=preference", "data.document_masking=false"),
+            "objective=dpo reads each pair's answers as documents: set data.document_masking=true",
+        ),
+        (("objective.name=ppo",), "objective.name='ppo' is not supported; use one of: lm, dpo"),
+    ],
+)
+def test_bad_settings_are_one_line(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        check_config(
+            compose_config(*overrides, "data.paths=[x.jsonl]", f"data.tokenizer={TOKENIZER}")
+        )
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    ("mesh", "message"),
+    [
+        (
+            "[[2,4],[pp,fsdp]]",
+            "objective=dpo runs under no pipeline schedule, not model.mesh_shape's pp=2 with "
+            "training.pipeline.schedule=gpipe; use a mesh without pp (e.g. fsdp or dp instead)",
+        ),
+        (
+            "[[2,4],[cp,fsdp]]",
+            "objective=dpo does not split sequences over cp (cp=2 in model.mesh_shape); use a "
+            "mesh without cp",
+        ),
+    ],
+)
+def test_meshes_the_objective_cannot_run_on_are_one_line(mesh, message, tmp_path):
+    cfg = compose_config(
+        "objective=dpo",
+        "data=preference",
+        f"data.paths=[{_pairs_file(tmp_path)}]",
+        f"data.tokenizer={TOKENIZER}",
+        "model.vocab_size=512",
+        f"model.mesh_shape={mesh}",
+        "model.scan_layers=true",
+        "training.global_batch_size=8",
+    )
+    with pytest.raises(ConfigError) as error:
+        prepare(cfg, jax.devices(), with_data=False)
+    assert str(error.value) == message
+
+
+def test_a_resumed_run_continues_bit_for_bit_and_its_reference_is_compared(tmp_path, caplog):
+    """The reference is never checkpointed: a resume reads it again from the starting weights
+    (here the first run's step-2 checkpoint, checkpoint.load_params) and compares their identity."""
+    pairs = _pairs_file(tmp_path)
+    start = _dpo(tmp_path / "start", pairs, "training.steps=2", "checkpoint.every_steps=2", devices=1)
+    weights = tmp_path / "start" / "checkpoints" / "2"
+    common = (
+        f"checkpoint.load_params={weights}",
+        "training.lr_schedule=constant",
+        "checkpoint.every_steps=2",
+    )
+    whole = _dpo(tmp_path / "whole", pairs, *common, "training.steps=4", devices=1)
+    _dpo(tmp_path / "halves", pairs, *common, "training.steps=2", devices=1)
+    resumed = _dpo(tmp_path / "halves", pairs, *common, "training.steps=4", devices=1)
+    assert [h["step"] for h in resumed.history] == [3, 4]
+    for a, b in zip(whole.history[2:], resumed.history, strict=True):
+        assert [a[k] for k in ("loss", "rewards/margins", "logps/chosen")] == [
+            b[k] for k in ("loss", "rewards/margins", "logps/chosen")
+        ]  # bit for bit
+    assert whole.history[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)
+    assert start.history[-1]["loss"] != whole.history[0]["loss"]
+
+    with caplog.at_level("INFO"):
+        _dpo(tmp_path / "halves", pairs, *common, "training.steps=5", "objective.beta=0.2", devices=1)
+    assert "resuming with changed settings: objective.beta 0.1 → 0.2" in caplog.text
+
+    other = _dpo(tmp_path / "other", pairs, "training.steps=1", "checkpoint.every_steps=1", devices=1)
+    moved = (*common[1:], f"checkpoint.load_params={tmp_path / 'other' / 'checkpoints' / '1'}")
+    with pytest.raises(ConfigError) as err:
+        _dpo(tmp_path / "halves", pairs, *moved, "training.steps=6", devices=1)
+    assert str(err.value).startswith(
+        f"checkpoint {tmp_path / 'halves' / 'checkpoints' / '5'} cannot be continued with this "
+        f"config: checkpoint.load_params {weights} → {tmp_path / 'other' / 'checkpoints' / '1'}; "
+    )
+    assert other.history[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)
