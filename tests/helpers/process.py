@@ -19,9 +19,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from helpers.paths import REPO
 from meshtrain.distributed.xla_flags import with_cpu_collective_timeouts
+
+if TYPE_CHECKING:
+    import helpers.commands
 
 # The tests compile far more than they compute: without XLA's expensive CPU optimisations the
 # compiles take half the time (the losses agree to the digits the docs print). Both sides of
@@ -101,8 +105,11 @@ def run_launcher(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
     return run_python("-m", "meshtrain.launch", *args, **kwargs)
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) -> None:
-    """Exit code 2 and one `meshtrain: error: ...` line holding `expected`, last, no traceback."""
+def assert_one_line_error(
+    result: subprocess.CompletedProcess | helpers.commands.CommandResult, expected: str
+) -> None:
+    """Exit code 2 and one `meshtrain: error: ...` line holding `expected`, last, no traceback:
+    of a child process, or of a command run in this process (helpers.commands)."""
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert "Traceback" not in result.stderr
