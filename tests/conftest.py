@@ -1,4 +1,4 @@
-"""Test set-up: 8 faked CPU devices, set before JAX starts, a shared compilation cache, the
+"""Test set-up: 8 faked CPU devices, set before JAX starts, caches shared by the test run, the
 fixtures, and two checks of the whole session (helpers.guards): it fails if the checkout's
 outputs/ or multirun/ gained paths while tests ran (the tests', or another process's: the message
 says which test ran), or if a session without slow tests imported torch or transformers. The
@@ -11,6 +11,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from helpers.process import FAST_COMPILE  # the standard library only: JAX is not loaded yet
 
@@ -21,21 +22,24 @@ os.environ["XLA_FLAGS"] = with_cpu_collective_timeouts(
     f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE} --xla_force_host_platform_device_count=8"
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Most test launches compile the same few small programs: a compilation cache shared by this
-# session's processes (and inherited by the subprocesses) compiles each of them once. A fresh
-# directory per session, so nothing carries over from one session to the next.
-_COMPILATION_CACHE = tempfile.mkdtemp(prefix="meshtrain-test-jax-cache-")
-atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
-os.environ["JAX_COMPILATION_CACHE_DIR"] = _COMPILATION_CACHE
+# Most test launches compile the same few small programs: one JAX compilation cache for the whole
+# test run compiles each of them once, and meshtrain's own caches (the CPU matmul peak, packed
+# corpora) sit beside it, so the suite never reads or leaves anything in the user's ~/.cache.
+# The first pytest process of a run makes them; the processes it starts inherit them (pytest-xdist's
+# workers, the tests' child processes). A fresh directory per run, removed at its end, unless
+# MESHTRAIN_TEST_CACHE=DIR keeps them in DIR for the next run (.ci/run's slow pass reuses what the
+# default suite compiled).
+_CACHES_OWNER = "MESHTRAIN_TEST_CACHES_OWNER"
+if _CACHES_OWNER not in os.environ:
+    os.environ[_CACHES_OWNER] = str(os.getpid())
+    _kept = os.environ.get("MESHTRAIN_TEST_CACHE")
+    _caches = Path(_kept) if _kept else Path(tempfile.mkdtemp(prefix="meshtrain-test-caches-"))
+    if not _kept:
+        atexit.register(shutil.rmtree, _caches, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_caches / "jax")
+    os.environ["MESHTRAIN_CACHE_DIR"] = str(_caches / "meshtrain")
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-# meshtrain's own caches (the CPU matmul peak, packed corpora) in a directory of this session
-# too: the suite never reads or leaves anything in the user's ~/.cache.
-_MESHTRAIN_CACHE = tempfile.mkdtemp(prefix="meshtrain-test-cache-")
-atexit.register(shutil.rmtree, _MESHTRAIN_CACHE, ignore_errors=True)
-os.environ["MESHTRAIN_CACHE_DIR"] = _MESHTRAIN_CACHE
-
-from pathlib import Path
 
 import pytest
 from helpers import guards
@@ -61,6 +65,39 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     finally:
         window = guards.Window(item.nodeid, start, time.time_ns())
         item.config.stash.setdefault(_WINDOWS, []).append(window)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With MESHTRAIN_TEST_DURATIONS=FILE (.ci/run), appends `seconds<TAB>node id` for each test
+    (set-up, call and teardown together) to FILE, for the CI's table of the slowest tests. Under
+    pytest-xdist the controller, which receives every worker's reports, writes them."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    skipped = os.environ.get("MESHTRAIN_TEST_SKIPPED")
+    if skipped and report.skipped:
+        # With MESHTRAIN_TEST_SKIPPED=FILE (.ci/run): the node id of each skipped test (an
+        # extra it needs is missing), for a second pass in the venv that has every extra.
+        with open(skipped, "a", encoding="utf-8") as file:
+            file.write(f"{report.nodeid}\n")
+    path = os.environ.get("MESHTRAIN_TEST_DURATIONS")
+    if not path:
+        return
+    _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+    if report.when == "teardown":
+        with open(path, "a", encoding="utf-8") as file:
+            file.write(f"{_DURATIONS.pop(report.nodeid):.2f}\t{report.nodeid}\n")
+
+
+_DURATIONS: dict[str, float] = {}
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """A module skipped whole at collection (pytest.importorskip at its top): recorded like a
+    skipped test (pytest_runtest_logreport)."""
+    skipped = os.environ.get("MESHTRAIN_TEST_SKIPPED")
+    if skipped and report.skipped and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(skipped, "a", encoding="utf-8") as file:
+            file.write(f"{report.nodeid}\n")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

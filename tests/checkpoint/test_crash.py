@@ -1,7 +1,9 @@
 """Crashes: a run SIGKILLed after a checkpoint, or while writing one, resumes bit for bit.
 
-The runs are real `python run_training.py` processes; the test hook MESHTRAIN_TEST_KILL_AFTER_SAVE
-(meshtrain.checkpoint.manager) makes one SIGKILL itself at an exact point.
+The runs that crash are real `python run_training.py` processes; the test hook
+MESHTRAIN_TEST_KILL_AFTER_SAVE (meshtrain.checkpoint.manager) makes one SIGKILL itself at an exact
+point. The uninterrupted run and the last resume run the same command in this process
+(helpers.commands), on its 8 devices.
 """
 
 import json
@@ -10,6 +12,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from helpers.commands import CommandResult, train_command
 from helpers.process import run_training, subprocess_env
 
 from meshtrain.checkpoint import (
@@ -21,6 +24,9 @@ from meshtrain.checkpoint import (
 from meshtrain.checkpoint.writes import TEST_KILL_ENV
 
 CONFIG = (
+    "data=synthetic",
+    "data.seq_len=32",
+    "model.num_layers=1",
     'model.mesh_shape=[[4,2],["fsdp","tp"]]',
     "training.micro_batch_size=2",
     "training.steps=9",
@@ -32,11 +38,16 @@ CONFIG = (
 )
 
 
-def launch(run_dir, kill: str | None = None) -> subprocess.CompletedProcess:
+def launch(run_dir, kill: str) -> subprocess.CompletedProcess:
+    """A child process that SIGKILLs itself where `kill` says (TEST_KILL_ENV)."""
     env = subprocess_env(8)
-    if kill is not None:
-        env[TEST_KILL_ENV] = kill
+    env[TEST_KILL_ENV] = kill
     return run_training(*CONFIG, f"hydra.run.dir={run_dir}", env=env, timeout=600)
+
+
+def run_here(run_dir) -> CommandResult:
+    """The same command to its end, in this process."""
+    return train_command(*CONFIG, f"hydra.run.dir={run_dir}", devices=8)
 
 
 def losses(run_dir) -> dict[int, float]:
@@ -47,12 +58,11 @@ def losses(run_dir) -> dict[int, float]:
     return {line["step"]: line["loss"] for line in lines}
 
 
-# slow: 23 s, kept out of the default suite's 10 minutes (CI runs the slow set too)
-@pytest.mark.slow
+@pytest.mark.slow  # two processes SIGKILLed, two runs here
 def test_sigkill_and_a_half_written_checkpoint_resume_bit_identically(tmp_path):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     checkpoints = crashed / "checkpoints"
-    result = launch(straight)
+    result = run_here(straight)
     assert result.returncode == 0, result.stderr[-3000:]
 
     # 1. SIGKILL right after the checkpoint of step 3 has committed.
@@ -69,7 +79,7 @@ def test_sigkill_and_a_half_written_checkpoint_resume_bit_identically(tmp_path):
     assert list(checkpoints.glob("6.orbax-checkpoint-tmp*")), "no half-written checkpoint to ignore"
 
     # 3. Resumed again: the half-written step 6 is ignored (and cleaned up).
-    result = launch(crashed)
+    result = run_here(crashed)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resuming from {checkpoints}/3 at step 3" in result.stdout
     assert not list(checkpoints.glob("*.orbax-checkpoint-tmp*"))

@@ -10,8 +10,10 @@ import subprocess
 import sys
 
 import pytest
+from helpers.commands import train_command
+from helpers.one_process import CONSTANT_RUN
 from helpers.paths import REPO
-from helpers.process import assert_one_line_error, run_training, scratch_dir, subprocess_env
+from helpers.process import assert_one_line_error, scratch_dir, subprocess_env
 from helpers.runs import train_tiny
 
 from meshtrain.checkpoint import committed_steps
@@ -97,16 +99,11 @@ def test_a_run_that_fails_after_opening_its_checkpoints_leaves_them_unlocked(run
     DirectoryLock(run_dir / "checkpoints", "checkpoint.dir").acquire().release()
 
 
-CONFIG = (
-    "training.steps=10",
-    "training.log_every=5",
-    "training.eval_every=0",
-    "training.warmup_steps=1",
-    "checkpoint.every_steps=5",
-)
+# CONSTANT_RUN: the program every one-device child of the test run shares (compiled once).
+CONFIG = (*CONSTANT_RUN, "training.steps=10", "training.log_every=5", "checkpoint.every_steps=5")
 
 
-@pytest.mark.slow  # two training processes, about 12 s
+@pytest.mark.slow  # a training process, and a second run refused here
 def test_a_second_run_in_the_same_directory_is_refused_and_the_first_goes_on(tmp_path):
     run_dir = tmp_path / "run"
     env = subprocess_env(1)
@@ -124,7 +121,7 @@ def test_a_second_run_in_the_same_directory_is_refused_and_the_first_goes_on(tmp
         assert os.WIFSTOPPED(status), (tmp_path / "first.err").read_text()[-3000:]
         since = json.loads((run_dir / "checkpoints" / LOCK_NAME).read_text())["since"]
 
-        second = run_training(*CONFIG, f"hydra.run.dir={run_dir}", devices=1)
+        second = train_command(*CONFIG, f"hydra.run.dir={run_dir}", devices=1)
         assert_one_line_error(
             second, _in_use("checkpoint.dir", run_dir / "checkpoints", first.pid, since)
         )

@@ -1,6 +1,7 @@
 """A LoRA run's checkpoints: the adapters and their optimizer state only, with the identity of
 the base; a SIGKILLed QLoRA run resumes bit for bit, and a base that changed since is refused
-in one line. Real `python run_training.py` processes on a Hugging Face base."""
+in one line. `python run_training.py` on a Hugging Face base: the run SIGKILLed is a real
+process, the others run the same command in this process (helpers.commands) on its 8 devices."""
 
 import json
 import signal
@@ -8,6 +9,7 @@ import signal
 import numpy as np
 import pytest
 from helpers import tiny_hf
+from helpers.commands import train_command
 from helpers.paths import REPO
 from helpers.process import assert_one_line_error, run_training, subprocess_env
 from safetensors.numpy import load_file, save_file
@@ -15,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 from meshtrain.checkpoint import named_leaves, read_meta, read_params
 from meshtrain.checkpoint.writes import TEST_KILL_ENV
 
-pytestmark = pytest.mark.slow  # subprocess runs, about 15 s each
+pytestmark = pytest.mark.slow  # QLoRA runs on a Hugging Face base, one of them a child process
 
 
 def _config(base, run_dir):
@@ -45,13 +47,13 @@ def _losses(run_dir):
 def test_a_sigkilled_qlora_run_resumes_bit_identically(tmp_path):
     base = tiny_hf.write_checkpoint("llama", tmp_path / "base")
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    result = run_training(*_config(base, straight), timeout=600)
+    result = train_command(*_config(base, straight), devices=8)
     assert result.returncode == 0, result.stderr[-3000:]
     env = subprocess_env(8)
     env[TEST_KILL_ENV] = "3"
     result = run_training(*_config(base, crashed), env=env, timeout=600)
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
-    result = run_training(*_config(base, crashed), timeout=600)
+    result = train_command(*_config(base, crashed), devices=8)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resuming from {crashed}/checkpoints/3 at step 3" in result.stdout
 
@@ -66,11 +68,12 @@ def test_a_sigkilled_qlora_run_resumes_bit_identically(tmp_path):
     assert len(final["lora_base"]["sha256"]) == 64
 
     # Resharded: the adapters continue on another mesh (their saved layout has none).
-    result = run_training(
+    result = train_command(
         *_config(base, crashed),
         "training.steps=7",
         'model.mesh_shape=[[2,4],["fsdp","tp"]]',
         "training.micro_batch_size=4",  # the same global batch of 8
+        devices=8,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resuming from {crashed}/checkpoints/6 at step 6" in result.stdout
@@ -81,7 +84,7 @@ def test_a_sigkilled_qlora_run_resumes_bit_identically(tmp_path):
     name = "model.layers.0.mlp.up_proj.weight"
     weights[name] = weights[name] + np.float32(0.01)
     save_file(weights, base / "model.safetensors")
-    result = run_training(*_config(base, crashed), "training.steps=8", timeout=600)
+    result = train_command(*_config(base, crashed), "training.steps=8", devices=8)
     documented = next(
         line
         for line in (REPO / "docs" / "finetuning.md").read_text().splitlines()

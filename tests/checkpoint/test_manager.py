@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.commands import train_command
 from helpers.config import compose_config
-from helpers.process import assert_one_line_error, run_training
+from helpers.process import assert_one_line_error
 from helpers.runs import train_tiny
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -364,7 +365,7 @@ def test_checkpoint_error_on_the_command_line(written, tmp_path):
     exit code 2, before anything is compiled, and the checkpoint it names is left untouched."""
     source = written[0] / "checkpoints"
     before = {p.relative_to(source): p.stat().st_mtime_ns for p in source.rglob("*")}
-    result = run_training(
+    result = train_command(
         f"checkpoint.resume={source}",
         "model.num_kv_heads=4",
         f"hydra.run.dir={tmp_path}",

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.commands import train_command
+from helpers.one_process import CONSTANT_RUN
 from helpers.paths import REPO
 from helpers.process import scratch_dir, subprocess_env
 
@@ -64,12 +66,8 @@ def file_modes_apply(tmp_path_factory):
         pytest.skip("this process cannot drop CAP_DAC_OVERRIDE: file modes do not stop it")
 
 
-CONFIG = (
-    "training.log_every=5",
-    "training.eval_every=0",
-    "training.warmup_steps=1",
-    "checkpoint.every_steps=5",
-)
+# CONSTANT_RUN: the program every one-device child of the test run shares (compiled once).
+CONFIG = (*CONSTANT_RUN, "training.log_every=5", "checkpoint.every_steps=5")
 
 
 class _Run:
@@ -104,20 +102,14 @@ def _assert_one_line(code: int, stdout: str, stderr: str, expected: str) -> None
     assert "Traceback" not in stdout and "Event loop is closed" not in stdout
 
 
-def _resume(run_dir: Path, *overrides: str) -> str:
-    result = subprocess.run(
-        [sys.executable, REPO / "run_training.py", *CONFIG, *overrides],
-        cwd=scratch_dir(),
-        env=subprocess_env(1),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def _resume(*overrides: str) -> str:
+    """The same command once the disk is fixed, run in this process; its stdout."""
+    result = train_command(*CONFIG, *overrides, devices=1)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
 
-@pytest.mark.slow  # three training processes, about 12 s
+@pytest.mark.slow  # a training process stopped and failed, then its resume here
 def test_a_directory_made_read_only_mid_run_stops_in_one_line_and_resumes(
     tmp_path, file_modes_apply
 ):
@@ -141,7 +133,7 @@ def test_a_directory_made_read_only_mid_run_stops_in_one_line_and_resumes(
     # The lock could not be deleted in the read-only directory: emptied, it names no holder.
     assert (checkpoints / ".meshtrain.lock").read_text() == ""
 
-    stdout = _resume(run_dir, *overrides)
+    stdout = _resume(*overrides)
     assert f"resuming from {checkpoints}/5 at step 5" in stdout
     assert "took over the lock" not in stdout
     assert committed_steps(checkpoints) == [5, 10, 15]
@@ -215,7 +207,7 @@ def _fill(disk: Path) -> Path:
     return filler
 
 
-@pytest.mark.slow  # three training processes, about 12 s
+@pytest.mark.slow  # a training process stopped and failed, then its resume here
 def test_a_full_disk_stops_in_one_line_and_the_run_resumes_once_it_has_room(tmp_path, small_disk):
     run_dir = tmp_path / "run"
     overrides = ("training.steps=15", "checkpoint.keep=1", f"checkpoint.dir={small_disk}")
@@ -234,6 +226,6 @@ def test_a_full_disk_stops_in_one_line_and_the_run_resumes_once_it_has_room(tmp_
     assert stat.S_ISREG(filler.stat().st_mode)
 
     filler.unlink()
-    stdout = _resume(run_dir, *overrides)
+    stdout = _resume(*overrides)
     assert f"resuming from {small_disk}/5 at step 5" in stdout
     assert committed_steps(small_disk) == [15]

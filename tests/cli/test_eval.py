@@ -4,9 +4,11 @@ computes, and the harness's table is printed."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
+from helpers.commands import module_command
 from helpers.harness import EXAMPLE_TASKS, MAX_LENGTH, METRICS, TASKS, write_tiny_llama
 from helpers.process import run_python
 
@@ -26,18 +28,35 @@ def _error(result) -> str:
 
 def test_bad_input_is_one_line(tmp_path):
     missing = tmp_path / "nope"
-    result = run_python("-m", "meshtrain.eval", missing, "--tasks", "meshtrain_choice")
+    result = module_command("meshtrain.eval", [missing, "--tasks", "meshtrain_choice"])
     assert _error(result) == (
         f"meshtrain: error: {missing} is not a directory; pass a meshtrain checkpoint (or its run "
         "directory), an export or a Hugging Face checkpoint directory (config.json, "
         "*.safetensors)"
     )
-    result = run_python(
-        "-m", "meshtrain.eval", tmp_path, "--tasks", "t", "--model-args", "batch_tokenz=8"
-    )
+    args = [tmp_path, "--tasks", "t", "--model-args", "batch_tokenz=8"]
+    result = module_command("meshtrain.eval", args)
     assert _error(result) == (
         "meshtrain: error: model_args key 'batch_tokenz' does not exist (did you mean "
         f"'batch_tokens'?); the keys are {KEYS}"
+    )
+
+
+def test_without_lm_eval_the_input_is_checked_first_then_named(tmp_path, monkeypatch):
+    """Without the eval extra, bad input is still its own one line; good input is told which
+    package it needs, before any model loads."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "lm_eval" else find_spec(name, *a),
+    )
+    result = module_command("meshtrain.eval", [tmp_path / "nope", "--tasks", "meshtrain_choice"])
+    assert "is not a directory" in _error(result)
+    result = module_command("meshtrain.eval", [tmp_path, "--tasks", "meshtrain_choice"])
+    assert _error(result) == (
+        "meshtrain: error: meshtrain-eval needs lm-eval: pip install 'meshtrain[eval]' "
+        "(lm_eval>=0.4.13)"
     )
 
 

@@ -1,4 +1,6 @@
-"""The real command line: one-line errors with exit code 2, --cfg job, --help, multirun."""
+"""The command line: one-line errors with exit code 2, --cfg job and --help (run_training.py's
+main() in this process, helpers.commands), and the real `python run_training.py` once: a quoted
+mesh, multirun, the live bar on a terminal."""
 
 import json
 import os
@@ -8,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+from helpers.commands import train_command
+from helpers.one_process import CONSTANT_RUN
 from helpers.paths import REPO
 from helpers.process import assert_one_line_error, run_training, subprocess_env
 
@@ -102,28 +106,28 @@ from helpers.process import assert_one_line_error, run_training, subprocess_env
 def test_bad_input_is_one_line_and_exit_code_2(override, expected, tmp_path):
     overrides = override.split(" ")
     run_dir = tmp_path / "outputs" / "tiny" / "2026-01-31" / "12-00-00"
-    result = run_training(*overrides, f"hydra.run.dir={run_dir}", timeout=120)
+    result = train_command(*overrides, f"hydra.run.dir={run_dir}")
     assert_one_line_error(result, expected)
     assert [p for p in tmp_path.rglob("*") if p != tmp_path / "outputs"] == []  # nothing left
 
 
 def test_a_rejected_run_keeps_a_directory_that_holds_more_than_hydra_files(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    result = run_training("+training.stepz=3", f"hydra.run.dir={tmp_path}", timeout=120)
+    result = train_command("+training.stepz=3", f"hydra.run.dir={tmp_path}")
     assert_one_line_error(result, "unknown config key 'training.stepz'")
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert (tmp_path / ".hydra" / "config.yaml").is_file()
 
 
 def test_cfg_job_prints_the_composed_config_without_training():
-    result = run_training("--cfg", "job", "model.mesh_shape=[[4,2],[fsdp,tp]]", "training.steps=7")
+    result = train_command("--cfg", "job", "model.mesh_shape=[[4,2],[fsdp,tp]]", "training.steps=7")
     assert result.returncode == 0, result.stderr
     assert "steps: 7" in result.stdout
     assert "- - 4\n    - 2\n  - - fsdp\n    - tp" in result.stdout
 
 
 def test_help_lists_the_config_groups():
-    result = run_training("--help")
+    result = train_command("--help")
     assert result.returncode == 0, result.stderr
     for group in (
         "data: chat, preference, prepared, stdlib, synthetic, text",
@@ -150,6 +154,8 @@ def test_train_from_the_command_line_with_a_quoted_mesh(tmp_path):
     del env["JAX_PLATFORMS"]  # as a user runs it: JAX probes every backend it knows
     result = run_training(
         'model.mesh_shape=[[4,2],["fsdp","tp"]]',
+        "data=synthetic",
+        "data.seq_len=32",
         "training.steps=3",
         "training.log_every=1",
         "training.eval_every=0",
@@ -172,9 +178,8 @@ def test_multirun_sweep(tmp_path):
     result = run_training(
         "-m",
         "training.seed=0,1",
+        *CONSTANT_RUN,  # the program every one-device child of the test run shares
         "training.steps=2",
-        "training.eval_every=0",
-        "data=synthetic",
         f"hydra.sweep.dir={tmp_path}",
         devices=1,
     )
@@ -195,6 +200,7 @@ def test_on_a_terminal_a_live_bar_moves_between_log_steps(tmp_path):
             sys.executable,
             "run_training.py",
             "data=synthetic",
+            "model.num_layers=1",  # seq_len 128 kept: 40 steps of a few redraws' time each
             "training.steps=40",
             "training.log_every=20",
             "training.eval_every=0",

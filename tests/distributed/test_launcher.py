@@ -1,9 +1,10 @@
 """`python -m meshtrain.launch`: environment per process, [rank N] prefixes, fail-fast, and
-2 processes × 4 devices giving the losses of 1 process × 8 devices on every mesh."""
+2 processes × 4 devices giving the losses of one process on every mesh."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,9 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.commands import train_command
+from helpers.one_process import CONSTANT_RUN, one_device_losses
 from helpers.paths import REPO
 from helpers.process import RUN_TRAINING, launcher, run_launcher, subprocess_env
-from helpers.runs import SMALL_RUN, losses
+from helpers.runs import losses
 
 from meshtrain.checkpoint import committed_steps, read_meta
 from meshtrain.distributed.launcher import (
@@ -26,7 +29,9 @@ from meshtrain.distributed.launcher import (
 )
 from meshtrain.errors import ConfigError
 
-MESHES = ("[[8,1],[fsdp,tp]]", "[[4,2],[fsdp,tp]]", "[[2,2,2],[dp,fsdp,tp]]")
+# The sweep of docs/multi-node.md: fsdp across the two processes, and dp across them (fsdp and tp
+# within). [[4,2]] (fsdp across processes, tp within): test_runtime_torchrun.py's 4 processes.
+MESHES = ("[[8,1],[fsdp,tp]]", "[[2,2,2],[dp,fsdp,tp]]")
 
 
 def test_node_ranks_alone_and_on_several_machines():
@@ -259,37 +264,6 @@ def child_with_rank(parent: int, rank: int) -> int:
     raise AssertionError(f"no child of {parent} has RANK={rank}")
 
 
-@pytest.mark.slow  # about 10 s on 2 cores: two processes start, compile and train
-def test_launcher_blames_a_killed_rank_not_the_rank_that_lost_it(tmp_path):
-    """SIGKILL to rank 1 of a real run: rank 0 hears of it and exits 1 moments later, but the
-    launcher names rank 1 and returns its 137 (the old 0.1 s polling often blamed rank 0)."""
-    launch = subprocess.Popen(
-        launcher(
-            "--nprocs",
-            "2",
-            "--devices-per-process",
-            "4",
-            str(RUN_TRAINING),
-            *SMALL_RUN,
-            "training.steps=100000",
-            "model.mesh_shape=[[8,1],[fsdp,tp]]",
-            f"hydra.run.dir={tmp_path}",
-        ),
-        cwd=tmp_path,
-        env=subprocess_env(1),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert any("step 2/100000" in line for line in launch.stdout), launch.stderr.read()[-3000:]
-    os.kill(child_with_rank(launch.pid, 1), signal.SIGKILL)  # mid-training
-    _, stderr = launch.communicate(timeout=120)
-    assert launch.returncode == 137, stderr[-3000:]
-    said = [line for line in stderr.splitlines() if line.startswith("meshtrain.launch: rank ")]
-    blame = "meshtrain.launch: rank 1 was killed by SIGKILL (exit code 137)"
-    assert said in ([blame], [f"{blame}; stopping ranks 0"]), stderr[-3000:]
-
-
 def test_ctrl_c_stops_every_process(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
@@ -330,49 +304,58 @@ def test_launcher_bad_input_is_one_line_and_exit_code_2():
     ]
 
 
-@pytest.mark.slow  # 27 s; two processes train in the default set below
-def test_two_processes_match_one_process_on_every_mesh(tmp_path):
-    """[[8,1]], [[4,2]] and a dp mesh, swept in one launch (Hydra multirun) so that the
-    processes start once; the 1-process × 8-device reference runs at the same time."""
-    sweep = ("-m", f"model.mesh_shape={','.join(MESHES)}", *SMALL_RUN)
-    multi, single = tmp_path / "multi", tmp_path / "single"
-    multi.mkdir()
-    single.mkdir()
-    entry = str(REPO / "run_training.py")
-    procs = {
-        "multi": subprocess.Popen(
-            launcher("--nprocs", "2", "--devices-per-process", "4", entry, *sweep),
-            cwd=multi,
-            env=subprocess_env(1),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        ),
-        "single": subprocess.Popen(
-            [sys.executable, entry, *sweep],
-            cwd=single,
-            env=subprocess_env(8),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        ),
-    }
-    outputs = {name: proc.communicate(timeout=900) for name, proc in procs.items()}
-    for name, proc in procs.items():
-        assert proc.returncode == 0, outputs[name][1][-3000:]
+# The multi-process runs below compare with one reference (helpers.one_process: CONSTANT_RUN on
+# one device, run in this process). With its constant learning rate a run's program does not
+# depend on training.steps: the killed run loads from the compilation cache what the sweep's
+# process 0 compiled, and the 8-device runs here share one compile.
+RESUMED_STEPS = 5
 
+
+def popen(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def two_processes(*args: str) -> list[str]:
+    return launcher("--nprocs", "2", "--devices-per-process", "4", str(RUN_TRAINING), *args)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> tuple[Path, str, str]:
+    """MESHES swept by 2 processes × 4 devices in one launch (Hydra multirun), so that the
+    processes start once: the launch's directory, its stdout and its stderr."""
+    multi = tmp_path_factory.mktemp("multi")
+    launch = popen(
+        two_processes("-m", f"model.mesh_shape={','.join(MESHES)}", *CONSTANT_RUN),
+        multi,
+        subprocess_env(1),
+    )
+    try:
+        one_device_losses(RESUMED_STEPS)  # the reference, made here while they run
+    except BaseException:
+        launch.kill()
+        raise
+    finally:
+        stdout, stderr = launch.communicate(timeout=900)
+    assert launch.returncode == 0, stderr[-3000:]
+    return multi, stdout, stderr
+
+
+@pytest.mark.slow  # the sweep: two processes train on two meshes
+def test_two_processes_match_one_process_on_every_mesh(sweep):
+    """[[8,1]] and a dp mesh, swept in one launch (Hydra multirun) so that the processes start
+    once, give the losses of one process (on one device, as every mesh of one process does)."""
+    multi, stdout, stderr = sweep
     # One sweep directory for both processes: the launcher's MESHTRAIN_RUN_ID, not each
     # process's own clock.
     (multi_sweep,) = (multi / "multirun" / "tiny").glob("*/*")
-    (single_sweep,) = (single / "multirun" / "tiny").glob("*/*")
     for job, mesh in enumerate(MESHES):
         run_dir = multi_sweep / str(job)
-        got, want = (
-            losses(run_dir / "metrics.jsonl"),
-            losses(single_sweep / str(job) / "metrics.jsonl"),
-        )
+        got, want = losses(run_dir / "metrics.jsonl"), one_device_losses(3)
         assert len(got) == 3, mesh
-        # The same global batch and seed: only the order of fp32 sums differs (gloo reductions).
+        # The same global batch and seed: only the order of fp32 sums differs (sharded partial
+        # sums, gloo reductions).
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=mesh)
         # Process 0 writes the shared files, the plan among them; process 1 only its own log.
         # Both write the checkpoint, each the shards it holds.
@@ -396,51 +379,45 @@ def test_two_processes_match_one_process_on_every_mesh(tmp_path):
         assert "this process reads rows 0:4 of each micro-batch" in main_log
         assert "this process reads rows 4:8 of each micro-batch" in rank_log
 
-    stdout, stderr = outputs["multi"]
     ranked = ("[rank 0] ", "[rank 1] ")
     assert all(line.startswith(ranked) for line in stdout.splitlines() if line)
     assert all(line.startswith((*ranked, "meshtrain.launch: ")) for line in stderr.splitlines())
     steps = [line for line in stdout.splitlines() if "step 3/3" in line]
-    assert len(steps) == 3 and all(line.startswith("[rank 0] ") for line in steps)
+    assert len(steps) == len(MESHES) and all(line.startswith("[rank 0] ") for line in steps)
 
 
-# slow: 20 s, kept out of the default suite's 10 minutes (CI runs the slow set too)
-@pytest.mark.slow
-def test_checkpoints_move_between_two_processes_and_one(tmp_path):
-    """A checkpoint written by 2 processes × 4 devices resumes in 1 process × 8 devices, and the
-    reverse; both continue the losses of an uninterrupted 5-step run (a constant learning rate
-    after warmup, so the 3-step runs follow the same schedule)."""
-    run = (*SMALL_RUN, 'model.mesh_shape=[[4,2],["fsdp","tp"]]', "training.lr_schedule=constant")
-    entry = str(REPO / "run_training.py")
-
-    def start(processes: int, run_dir: Path, steps: int) -> subprocess.Popen:
-        args = (entry, *run, f"training.steps={steps}", f"hydra.run.dir={run_dir}")
-        if processes == 1:
-            command, env = [sys.executable, *args], subprocess_env(8)
-        else:
-            command, env = (
-                launcher("--nprocs", "2", "--devices-per-process", "4", *args),
-                subprocess_env(1),
-            )
-        return subprocess.Popen(
-            command,
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+@pytest.mark.slow  # one launch of two processes, two runs here, after the sweep
+def test_checkpoints_move_between_two_processes_and_one(sweep, tmp_path):
+    """A checkpoint written by 2 processes × 4 devices (the sweep's [[8,1]] job, copied)
+    resumes in 1 process × 8 devices (here), and one written by 1 process × 8 devices (here)
+    resumes in 2 processes × 4; both continue the losses of an uninterrupted 5-step run (a
+    constant learning rate after warmup, so the 3-step runs follow the same schedule)."""
+    mesh = MESHES[0]
+    run = (*CONSTANT_RUN, f"model.mesh_shape={mesh}")
+    (multi_sweep,) = (sweep[0] / "multirun" / "tiny").glob("*/*")
+    by_two, by_one = tmp_path / "by_two", tmp_path / "by_one"
+    shutil.copytree(multi_sweep / str(MESHES.index(mesh)), by_two)
+    written = train_command(*run, "training.steps=3", f"hydra.run.dir={by_one}", devices=8)
+    assert written.returncode == 0, written.stderr[-3000:]
+    # Each resumed by the other topology, at the same time.
+    resume = popen(
+        two_processes(*run, f"training.steps={RESUMED_STEPS}", f"hydra.run.dir={by_one}"),
+        tmp_path,
+        subprocess_env(1),
+    )
+    try:
+        resumed = train_command(
+            *run, f"training.steps={RESUMED_STEPS}", f"hydra.run.dir={by_two}", devices=8
         )
+    except BaseException:
+        resume.kill()
+        raise
+    finally:
+        _, stderr = resume.communicate(timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resume.returncode == 0, stderr[-3000:]
 
-    def finish(*procs: subprocess.Popen) -> None:
-        for proc in procs:
-            _, stderr = proc.communicate(timeout=900)
-            assert proc.returncode == 0, stderr[-3000:]
-
-    by_two, by_one, reference = tmp_path / "by_two", tmp_path / "by_one", tmp_path / "reference"
-    finish(start(2, by_two, 3), start(1, by_one, 3), start(1, reference, 5))
-    finish(start(1, by_two, 5), start(2, by_one, 5))  # each resumed by the other topology
-
-    want = losses(reference / "metrics.jsonl")
+    want = one_device_losses(RESUMED_STEPS)
     for written_by, run_dir in ((2, by_two), (1, by_one)):
         log_text = (run_dir / "train.log").read_text()  # both launches, one after the other
         assert "on 8 cpu device(s), 2 process(es)" in log_text
@@ -450,3 +427,26 @@ def test_checkpoints_move_between_two_processes_and_one(tmp_path):
         assert len(got) == 5, (written_by, got)  # steps 1-3, then 4-5 after the resume
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"written by {written_by}")
         assert committed_steps(run_dir / "checkpoints") == [3, 5]
+
+
+@pytest.mark.slow  # two processes start and train: the sweep's [[8,1]] program, from the cache
+def test_launcher_blames_a_killed_rank_not_the_rank_that_lost_it(tmp_path):
+    """SIGKILL to rank 1 of a real run: rank 0 hears of it and exits 1 moments later, but the
+    launcher names rank 1 and returns its 137 (the old 0.1 s polling often blamed rank 0)."""
+    launch = popen(
+        two_processes(
+            *CONSTANT_RUN,
+            "training.steps=100000",
+            f"model.mesh_shape={MESHES[0]}",
+            f"hydra.run.dir={tmp_path}",
+        ),
+        tmp_path,
+        subprocess_env(1),
+    )
+    assert any("step 2/100000" in line for line in launch.stdout), launch.stderr.read()[-3000:]
+    os.kill(child_with_rank(launch.pid, 1), signal.SIGKILL)  # mid-training
+    _, stderr = launch.communicate(timeout=120)
+    assert launch.returncode == 137, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if line.startswith("meshtrain.launch: rank ")]
+    blame = "meshtrain.launch: rank 1 was killed by SIGKILL (exit code 137)"
+    assert said in ([blame], [f"{blame}; stopping ranks 0"]), stderr[-3000:]

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers.one_process import CONSTANT_RUN
 from helpers.paths import REPO
 from helpers.process import subprocess_env
 from helpers.runs import SMALL_RUN, train_tiny
@@ -21,16 +22,16 @@ from meshtrain.distributed.preemption import StopSignals, exit_code_for
 
 
 def start(run_dir: Path) -> subprocess.Popen:
-    """A long single-device run that logs every step and saves only at the end or when stopped."""
+    """A long single-device run of a one-layer model that logs every step and saves only at the
+    end or when stopped (CONSTANT_RUN: the program every one-device child of the test run
+    shares, compiled once)."""
     return subprocess.Popen(
         [
             sys.executable,
             "run_training.py",
+            *CONSTANT_RUN,
             "training.steps=100000",
-            "training.log_every=1",
-            "training.eval_every=0",
             "checkpoint.every_steps=0",
-            "data=synthetic",
             f"hydra.run.dir={run_dir}",
         ],
         cwd=REPO,

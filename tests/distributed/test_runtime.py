@@ -10,12 +10,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
+from helpers.commands import train_command
+from helpers.one_process import CONSTANT_RUN, one_device_losses
 from helpers.paths import REPO
-from helpers.process import launcher, run_python, subprocess_env
-from helpers.runs import SMALL_RUN, losses
+from helpers.process import launcher, subprocess_env
+from helpers.runs import losses
 
 from meshtrain.distributed.launcher import free_port
 from meshtrain.distributed.runtime import check_devices, first_start_run_dir
@@ -69,22 +72,23 @@ def start(rank: int, world: int, port: int, log: Path, *args: str) -> subprocess
         return subprocess.Popen(
             [sys.executable, ENTRY, *args],
             cwd=REPO,
-            env=torchrun_env(rank, world, port),
+            env=torchrun_env(rank, world, port, devices=2),
             stdout=out,
             stderr=subprocess.STDOUT,
             text=True,
         )
 
 
-@pytest.mark.slow  # about 6 s on 2 cores
+@pytest.mark.slow  # two processes start and train
 def test_a_process_killed_mid_run_ends_the_others(tmp_path):
     """Two processes started by hand with torchrun-style variables train together; when one
     is killed, the other stops at once with a message that names it, without waiting for the
-    heartbeat timeout (60 s here)."""
+    heartbeat timeout (60 s here). (2 × 2 devices on [[4,1]] with a constant learning rate:
+    the program of test_runtime_torchrun.py's resumed runs, which process 0 finds compiled.)"""
     port, run_dir = free_port(), tmp_path / "run"
     args = (
-        *SMALL_RUN,
-        "model.mesh_shape=[[2,1],[fsdp,tp]]",
+        *CONSTANT_RUN,
+        "model.mesh_shape=[[4,1],[fsdp,tp]]",
         "training.steps=100000",
         "distributed.timeout_s=60",
         f"hydra.run.dir={run_dir}",
@@ -159,8 +163,9 @@ def test_a_process_that_never_arrives_is_named(tmp_path):
 
 
 def test_inconsistent_torchrun_variables_are_one_line_and_exit_code_2(tmp_path):
-    env = torchrun_env(rank=2, world=2, port=29500)
-    result = run_python(ENTRY, "data=synthetic", f"hydra.run.dir={tmp_path}", env=env, timeout=120)
+    torchrun = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", RANK="2", WORLD_SIZE="2")
+    with mock.patch.dict(os.environ, torchrun):
+        result = train_command("data=synthetic", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "meshtrain: error: RANK=2 is not below WORLD_SIZE=2; RANK numbers the processes 0..1 "
@@ -173,13 +178,9 @@ def test_the_design_docs_two_machine_example(tmp_path):
     """Two launchers as on two machines (here both on 127.0.0.1): WORLD_SIZE=4 processes,
     RANK=0 on the first and RANK=2 (its first process) on the second, each launcher with its
     own clock (MESHTRAIN_RUN_ID). The run lands in process 0's directory only, and gives the
-    losses of one process with 8 devices."""
+    losses of one process (helpers.one_process: on one device, as every mesh of one process)."""
     port = free_port()
-    mesh = ("model.mesh_shape=[[8,1],[fsdp,tp]]", *SMALL_RUN)
-    single = tmp_path / "single"
-    single.mkdir()
-    reference = run_python(ENTRY, *mesh, cwd=single, devices=8, timeout=600)
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    mesh = ("model.mesh_shape=[[8,1],[fsdp,tp]]", *CONSTANT_RUN)
     machines = []
     for first_rank, run_id in ((0, "machine-1-clock"), (2, "machine-2-clock")):
         env = subprocess_env(1)
@@ -200,7 +201,14 @@ def test_the_design_docs_two_machine_example(tmp_path):
                 text=True,
             )
         )
-    outputs = [machine.communicate(timeout=900) for machine in machines]
+    try:  # the reference, in this process, while they run (or already made)
+        reference = one_device_losses(3)
+    except BaseException:
+        for machine in machines:
+            machine.kill()
+        raise
+    finally:
+        outputs = [machine.communicate(timeout=900) for machine in machines]
     assert [m.returncode for m in machines] == [0, 0], outputs[1][1][-3000:]
     # The second launcher starts ranks 2 and 3; ranks other than 0 print nothing of their own
     # (their Gloo connection lines are hidden and counted), but each writes its rank log below.
@@ -211,17 +219,16 @@ def test_the_design_docs_two_machine_example(tmp_path):
     assert {"rank1.log", "rank2.log", "rank3.log", "train.log"} <= {
         p.name for p in run_dir.iterdir()
     }
-    (single_dir,) = (single / "outputs" / "tiny").glob("*/*")
-    np.testing.assert_allclose(
-        losses(run_dir / "metrics.jsonl"), losses(single_dir / "metrics.jsonl"), rtol=1e-5
-    )
+    np.testing.assert_allclose(losses(run_dir / "metrics.jsonl"), reference, rtol=1e-5)
 
 
 @pytest.mark.slow
 def test_a_slurm_job_matches_one_process(tmp_path):
     """Two SLURM tasks (srun's variables, faked on localhost) train together through JAX's own
-    cluster detection and give the losses of one process with 8 devices."""
-    mesh = ("model.mesh_shape=[[4,2],[fsdp,tp]]", *SMALL_RUN)
+    cluster detection and give the losses of one process (helpers.one_process). The mesh of
+    docs/multi-node.md's srun example, [[8,1]]: process 0 finds test_launcher.py's program of it
+    compiled."""
+    mesh = ("model.mesh_shape=[[8,1],[fsdp,tp]]", *CONSTANT_RUN)
     port = free_port()
     procs = [
         subprocess.Popen(
@@ -234,21 +241,20 @@ def test_a_slurm_job_matches_one_process(tmp_path):
         )
         for task in (0, 1)
     ]
-    reference = run_python(
-        ENTRY, *mesh, f"hydra.run.dir={tmp_path / 'single'}", devices=8, timeout=600
-    )
-    outputs = [proc.communicate(timeout=600) for proc in procs]
+    try:  # the reference, in this process, while they run (or already made)
+        reference = one_device_losses(3)
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        raise
+    finally:
+        outputs = [proc.communicate(timeout=600) for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outputs[0][1][-3000:]
-    assert reference.returncode == 0, reference.stderr[-3000:]
     assert (
         "process 0 of 2 joined through the slurm cluster"
         in (tmp_path / "slurm" / "train.log").read_text()
     )
-    np.testing.assert_allclose(
-        losses(tmp_path / "slurm" / "metrics.jsonl"),
-        losses(tmp_path / "single" / "metrics.jsonl"),
-        rtol=1e-5,
-    )
+    np.testing.assert_allclose(losses(tmp_path / "slurm" / "metrics.jsonl"), reference, rtol=1e-5)
 
 
 def test_a_torchrun_restart_continues_in_the_first_start_s_run_dir(tmp_path):

@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from contextlib import suppress
@@ -18,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.one_process import CONSTANT_RUN, REFERENCE_STEPS, one_device_losses
 from helpers.paths import REPO
 from helpers.process import subprocess_env, torchrun
-from helpers.runs import SMALL_RUN, losses
+from helpers.runs import losses
 
 from meshtrain.checkpoint import committed_steps
 from meshtrain.distributed.launcher import free_port
@@ -136,29 +136,27 @@ def only_run_dir(root: Path) -> Path:
 def test_the_design_docs_torchrun_command_matches_one_process(tmp_path):
     """`torchrun --nproc_per_node=4 run_training.py model.mesh_shape=...` as written: 4 processes
     × 2 devices, JAX's coordinator on MASTER_PORT+1, one run directory, and the losses of one
-    process with 8 devices."""
+    process (helpers.one_process: on one device, as every mesh of one process)."""
     port = torchrun_ports()
-    args = (ONE_MACHINE_MESH, *SMALL_RUN)
+    args = (ONE_MACHINE_MESH, *CONSTANT_RUN)
     (tmp_path / "torchrun").mkdir()
-    (tmp_path / "single").mkdir()
-    procs = [
-        start(
-            torchrun(*ONE_MACHINE, f"--master_port={port}", ENTRY, *args),
-            tmp_path / "torchrun",
-            2,
-            tmp_path / "torchrun.txt",
-        ),
-        start([sys.executable, ENTRY, *args], tmp_path / "single", 8, tmp_path / "single.txt"),
-    ]
-    assert finish(*procs) == [0, 0], (tmp_path / "torchrun.txt").read_text()[-3000:]
+    agent = start(
+        torchrun(*ONE_MACHINE, f"--master_port={port}", ENTRY, *args),
+        tmp_path / "torchrun",
+        2,
+        tmp_path / "torchrun.txt",
+    )
+    try:  # the reference, in this process, while they run
+        want = one_device_losses(3)
+    except BaseException:
+        stop(agent)
+        raise
+    assert finish(agent) == [0], (tmp_path / "torchrun.txt").read_text()[-3000:]
     # Quiet as meshtrain.launch: no Gloo line from the processes, no banner from torchrun.
     output = (tmp_path / "torchrun.txt").read_text()
     assert "[Gloo]" not in output and "Setting OMP_NUM_THREADS" not in output, output[-3000:]
     run_dir = only_run_dir(tmp_path / "torchrun")
-    got, want = (
-        losses(run_dir / "metrics.jsonl"),
-        losses(only_run_dir(tmp_path / "single") / "metrics.jsonl"),
-    )
+    got = losses(run_dir / "metrics.jsonl")
     assert len(got) == 3
     np.testing.assert_allclose(got, want, rtol=1e-5)
     main_log = (run_dir / "train.log").read_text()
@@ -174,23 +172,22 @@ def test_the_design_docs_torchrun_command_matches_one_process(tmp_path):
 @pytest.mark.slow
 def test_two_torchrun_agents_as_two_machines_match_one_process(tmp_path):
     """The two-machine command, both agents on loopback: --nnodes=2, 2 processes × 2 devices per
-    machine, a dp axis; ranks from torchrun, one run directory, the losses of 1 × 8."""
+    machine, a dp axis; ranks from torchrun, one run directory, the losses of one process."""
     port = torchrun_ports()
-    args = (TWO_MACHINES_MESH, *SMALL_RUN)
+    args = (TWO_MACHINES_MESH, *CONSTANT_RUN)
     (tmp_path / "torchrun").mkdir()
-    (tmp_path / "single").mkdir()
     machines = [
         start(command, tmp_path / "torchrun", 2, tmp_path / f"node{rank}.txt")
         for rank, command in enumerate(nodes(port, 2, *args))
     ]
-    single = start([sys.executable, ENTRY, *args], tmp_path / "single", 8, tmp_path / "single.txt")
-    assert finish(*machines, single) == [0, 0, 0], (tmp_path / "node1.txt").read_text()[-3000:]
+    try:  # the reference, in this process, while they run
+        want = one_device_losses(3)
+    except BaseException:
+        stop(*machines)
+        raise
+    assert finish(*machines) == [0, 0], (tmp_path / "node1.txt").read_text()[-3000:]
     run_dir = only_run_dir(tmp_path / "torchrun")  # the second machine's own is gone
-    np.testing.assert_allclose(
-        losses(run_dir / "metrics.jsonl"),
-        losses(only_run_dir(tmp_path / "single") / "metrics.jsonl"),
-        rtol=1e-5,
-    )
+    np.testing.assert_allclose(losses(run_dir / "metrics.jsonl"), want, rtol=1e-5)
     assert "on 8 cpu device(s), 4 process(es)" in (run_dir / "train.log").read_text()
     # The second machine's processes: RANK 2 and 3 from torchrun, LOCAL_RANK 0 and 1.
     for rank in (2, 3):
@@ -234,11 +231,16 @@ def steps_and_losses(run_dir: Path) -> list[tuple[int, float]]:
 # A constant learning rate after warmup: a longer or shorter run follows the same losses.
 RESUMABLE = (
     'model.mesh_shape=[[4,1],["fsdp","tp"]]',
-    *SMALL_RUN,
-    "training.lr_schedule=constant",
+    *CONSTANT_RUN,
     "checkpoint.every_steps=2",
     "distributed.timeout_s=60",
 )
+
+
+def reference_losses(steps: int) -> dict[int, float]:
+    """Step → loss of steps 1..steps of an uninterrupted run of this shape (helpers.one_process:
+    CONSTANT_RUN on one device, run in this process once for every test)."""
+    return dict(enumerate(one_device_losses(steps), start=1))
 
 
 @pytest.mark.slow
@@ -273,25 +275,16 @@ def test_a_killed_process_stops_both_machines_and_the_run_resumes(tmp_path):
         start(command, tmp_path, 2, tmp_path / f"again{rank}.txt")
         for rank, command in enumerate(nodes(port, 1, *second))
     ]
-    reference = tmp_path / "reference"
-    single = start(
-        [
-            sys.executable,
-            ENTRY,
-            *RESUMABLE,
-            f"training.steps={steps}",
-            f"hydra.run.dir={reference}",
-        ],
-        tmp_path,
-        4,
-        tmp_path / "single.txt",
-    )
-    assert finish(*machines, single) == [0, 0, 0], (tmp_path / "again0.txt").read_text()[-3000:]
+    try:  # the uninterrupted run, in this process (or already made), while they run
+        want = reference_losses(steps)
+    except BaseException:
+        stop(*machines)
+        raise
+    assert finish(*machines) == [0, 0], (tmp_path / "again0.txt").read_text()[-3000:]
     assert (
         f"resuming from {run_dir / 'checkpoints' / str(newest)} at step {newest}"
         in (run_dir / "train.log").read_text()
     )
-    want = dict(steps_and_losses(reference))
     resumed = steps_and_losses(run_dir)[-2:]  # the second launch's steps
     assert [step for step, _ in resumed] == [newest + 1, newest + 2]
     np.testing.assert_allclose(
@@ -304,7 +297,7 @@ def test_a_restarted_group_resumes_from_the_newest_checkpoint(tmp_path):
     """`torchrun --max-restarts=1`: a killed process makes torchrun restart the group; the new
     processes continue in the first start's run directory (no fixed hydra.run.dir needed) from
     its newest checkpoint, and the run ends with the losses of an uninterrupted one."""
-    port, steps = torchrun_ports(), 24
+    port, steps = torchrun_ports(), REFERENCE_STEPS
     args = [*RESUMABLE, f"training.steps={steps}"]
     out = tmp_path / "torchrun.txt"
     (tmp_path / "torchrun").mkdir()
@@ -321,14 +314,8 @@ def test_a_restarted_group_resumes_from_the_newest_checkpoint(tmp_path):
             time.sleep(0.2)
         (train_log,) = (tmp_path / "torchrun" / "outputs" / "tiny").glob("*/*/train.log")
         kill_after_a_checkpoint(agent, 1, train_log.parent, out)
-        reference = tmp_path / "reference"
-        single = start(
-            [sys.executable, ENTRY, *args, f"hydra.run.dir={reference}"],
-            tmp_path,
-            4,
-            tmp_path / "single.txt",
-        )
-        assert finish(agent, single) == [0, 0], out.read_text()[-3000:]
+        want = reference_losses(steps)  # in this process, while the restarted group trains
+        assert finish(agent) == [0], out.read_text()[-3000:]
     finally:
         stop(agent)
         for record in Path(tempfile.gettempdir()).glob(f"meshtrain-torchrun-{agent.pid}-*"):
@@ -338,7 +325,6 @@ def test_a_restarted_group_resumes_from_the_newest_checkpoint(tmp_path):
     assert "torchrun restarted the processes (restart 1 of at most 1)" in log_text
     assert "resuming from" in log_text
     got = dict(steps_and_losses(run_dir))  # the last value of each step: after the restart
-    want = dict(steps_and_losses(reference))
     assert sorted(got) == list(range(1, steps + 1))
     np.testing.assert_allclose(
         [got[s] for s in sorted(got)], [want[s] for s in sorted(got)], rtol=1e-5

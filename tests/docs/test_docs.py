@@ -9,6 +9,7 @@ with code 2 and print that text as the last line of stderr.
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -125,4 +126,26 @@ def test_readme_quick_start() -> None:
     train, test = commands
     assert "pip install -e ." in train and train.endswith(ENTRY)
     assert "pip install -e '.[test]'" in test and test.endswith("python -m pytest -q")
-    assert "python -m pytest -q" in (REPO / ".ci" / "run").read_text()
+
+
+def test_ci_runs_the_readme_commands_as_written() -> None:
+    """.ci/run reads the Quick start's two commands from README.md and runs each as written, in
+    a fresh .venv, before it installs any other extra."""
+    ci = (REPO / ".ci" / "run").read_text()
+    function = re.search(r"^quick_start\(\) \{$.*?^\}$", ci, flags=re.MULTILINE | re.DOTALL)
+    assert function is not None
+    printed = subprocess.run(
+        ["bash", "-c", f"{function.group(0)}\nquick_start"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    first = re.split(r"^## ", (REPO / "README.md").read_text(), flags=re.MULTILINE)[1]
+    documented = [ln.strip() for b in fenced_blocks(first) if b.lang == "bash" for ln in b.lines]
+    assert printed == [line for line in documented if line]
+    lines = ci.splitlines()
+    fresh = lines.index("rm -rf .venv  # the README's commands start from a fresh venv")
+    runs = [i for i, line in enumerate(lines) if 'bash -euo pipefail -c "${readme[' in line]
+    extras = next(i for i, line in enumerate(lines) if "pip install" in line and "parity" in line)
+    assert fresh < runs[0] < runs[1] < extras and len(runs) == 2

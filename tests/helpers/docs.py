@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shlex
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+from unittest import mock
 
+from helpers.commands import CommandResult as Result
+from helpers.commands import train_command
 from helpers.paths import REPO
 from helpers.process import FAST_COMPILE, run_training, subprocess_env
 
@@ -109,13 +113,25 @@ def parse(line: str) -> tuple[dict[str, str], list[str]]:
     return env, words[2:]
 
 
-def run(env_vars: dict[str, str], args: list[str]) -> subprocess.CompletedProcess[str]:
-    """A documented command: its XLA_FLAGS' device count (else 1 device), the tests' compile flags."""
+# Settings that decide how JAX starts (the devices it fakes, the platform it compiles for): a
+# command holding one runs in a child process of its own.
+STARTS_JAX = ("plan.fake_devices=", "plan.target=")
+
+
+def run(env_vars: dict[str, str], args: list[str]) -> subprocess.CompletedProcess[str] | Result:
+    """A documented command on its XLA_FLAGS' device count (else 1 device): in this process
+    (helpers.commands; the first that many of its devices), or, if it sets how JAX starts
+    (STARTS_JAX), in a child with the tests' compile flags."""
     match = DEVICE_FLAG.search(env_vars.get("XLA_FLAGS", ""))
-    env = subprocess_env(int(match.group(1)) if match else 1)
+    devices = int(match.group(1)) if match else 1
+    others = {k: v for k, v in env_vars.items() if k != "XLA_FLAGS"}
+    if not any(arg.startswith(STARTS_JAX) for arg in args):
+        with mock.patch.dict(os.environ, others):
+            return train_command(*args, devices=devices)
+    env = subprocess_env(devices)
     if "XLA_FLAGS" in env_vars:  # the documented device count, compiled as every test compiles
         env["XLA_FLAGS"] = f"{FAST_COMPILE} {env_vars['XLA_FLAGS']}"
-    env.update({k: v for k, v in env_vars.items() if k != "XLA_FLAGS"})
+    env.update(others)
     return run_training(*args, env=env, timeout=600)
 
 
@@ -136,13 +152,13 @@ def check_metrics(path: Path, args: list[str] | None = None) -> None:
     assert all(math.isfinite(r["loss"]) for r in records), records
 
 
-def describe(result: subprocess.CompletedProcess[str]) -> str:
+def describe(result: subprocess.CompletedProcess[str] | Result) -> str:
     return f"exit code {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
 
 
 def run_training_command(
     command: Command, env_vars: dict[str, str], args: list[str], run_dir: Path
-) -> subprocess.CompletedProcess[str] | None:
+) -> subprocess.CompletedProcess[str] | Result | None:
     """Runs a documented training command (shortened) in `run_dir`; an error example is checked
     here (exit code 2 and the documented line) and gives None, any other run must succeed. A
     command whose output a checked block shows runs as written and must print it."""

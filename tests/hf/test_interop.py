@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import tiny_hf
+from helpers.commands import train_command
 from helpers.config import compose_config
-from helpers.process import run_training
 from helpers.tiny_hf import FAMILIES, LOGIT_TOLERANCE, TOKENS, relative_error, run_config
 from safetensors.numpy import load_file
 
@@ -253,12 +253,8 @@ def test_config_mismatch_names_the_field_and_both_values(checkpoints):
 def test_wrong_family_on_the_command_line_is_one_line_and_exit_code_2(checkpoints, tmp_path):
     directory = checkpoints["llama"]
     run_dir = tmp_path / "outputs" / "gemma3_1b" / "2026-01-31" / "12-00-00"
-    result = run_training(
-        "model=gemma3_1b",
-        f"model.init_from=hf:{directory}",
-        f"hydra.run.dir={run_dir}",
-        devices=1,
-        timeout=300,
+    result = train_command(
+        "model=gemma3_1b", f"model.init_from=hf:{directory}", f"hydra.run.dir={run_dir}", devices=1
     )
     assert not (tmp_path / "outputs" / "gemma3_1b").exists()  # the rejected run left nothing
     assert result.returncode == 2, result.stderr

@@ -9,8 +9,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from helpers.commands import module_command
 from helpers.config import compose_config
-from helpers.process import run_python
 from safetensors.numpy import load_file
 
 from meshtrain.checkpoint import find_checkpoints, named_leaves, read_meta, read_params
@@ -106,9 +106,7 @@ def test_export_refuses_bad_input(checkpoint_dir, tmp_path):
 
 def test_export_command_line_error_is_one_line(tmp_path):
     # The successful command lines are run by tests/docs/test_checkpoint_docs.py.
-    result = run_python(
-        "-m", "meshtrain.export", tmp_path / "missing", tmp_path / "out", devices=1, timeout=300
-    )
+    result = module_command("meshtrain.export", [tmp_path / "missing", tmp_path / "out"], devices=1)
     assert result.returncode == 2
     assert (
         result.stderr.strip() == f"meshtrain: error: checkpoint {tmp_path}/missing does not exist"

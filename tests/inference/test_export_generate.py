@@ -3,7 +3,7 @@
 
 import numpy as np
 import pytest
-from helpers.runs import train_tiny
+from helpers.runs import SMALL_RUN, train_tiny
 
 from meshtrain.cli.generate import main as generate_main
 from meshtrain.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, save_tokenizer
@@ -18,9 +18,10 @@ TEXTS = ("def f(x):\n    return x  # ü 日本 🙂", "\x00\x01\x7f tabs\there",
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """2 steps of the tiny model (byte tokenizer) on one device, with a checkpoint at the end."""
+    """3 steps of the one-layer tiny model (helpers.runs.SMALL_RUN: synthetic data, byte
+    tokenizer) on one device, with a checkpoint at the end."""
     directory = tmp_path_factory.mktemp("run")
-    train_tiny(directory, "training.steps=2", "training.eval_every=0", devices=1)
+    train_tiny(directory, *SMALL_RUN, devices=1)
     return directory
 
 
@@ -89,4 +90,5 @@ def test_a_directory_without_a_tokenizer_asks_for_one(exports, tmp_path, capsys)
     assert error.count("\n") == 0
     assert f"{bare} holds no tokenizer.json or tokenizer.model" in error
     assert "--tokenizer byte" in error and "--tokenizer=" not in error
-    assert generate_main([str(bare), PROMPT, "--tokenizer", "byte", "--max-new-tokens", "2"]) == 0
+    # As many new tokens as test_generate_on_each_export_continues_as_on_the_run: its programs.
+    assert generate_main([str(bare), PROMPT, "--tokenizer", "byte", "--max-new-tokens", "6"]) == 0

@@ -11,8 +11,8 @@ import jax
 import pytest
 from flax import nnx
 from helpers import tiny_hf
+from helpers.commands import module_command
 from helpers.meshes import on_mesh
-from helpers.process import run_python
 from helpers.tiny_tokenizers import train_bpe
 
 import meshtrain
@@ -74,6 +74,11 @@ def test_one_kv_head_on_a_mesh_generates_what_one_device_does():
     assert meshtrain.generate(sharded, tokenizer, "def f(x):", max_new_tokens=16) == want
 
 
+# Sampled generations of 8 tokens: compiled first by test_a_generation_is_two_compiled_programs
+# (which needs programs not compiled before), then run by test_sampling_depends_on_the_seed_only.
+SAMPLED = dict(max_new_tokens=8, temperature=1.0)
+
+
 def test_a_generation_is_two_compiled_programs(loaded, caplog):
     """One prefill and one decode step, whatever the number of tokens; a prompt of another
     length in the same bucket compiles nothing."""
@@ -82,9 +87,9 @@ def test_a_generation_is_two_compiled_programs(loaded, caplog):
     lengths = [len(tokenizer.encode(p)) + 1 for p in (PROMPT, other)]  # bos + the prompt
     assert lengths[0] != lengths[1] and prompt_bucket(lengths[0]) == prompt_bucket(lengths[1])
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
-        meshtrain.generate(model, tokenizer, PROMPT, max_new_tokens=20)
+        meshtrain.generate(model, tokenizer, PROMPT, **SAMPLED, seed=3)
         compiled = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
-        meshtrain.generate(model, tokenizer, other, max_new_tokens=20)
+        meshtrain.generate(model, tokenizer, other, **SAMPLED, seed=3)
     assert len(compiled) == 2, compiled
     assert "_prefill" in compiled[0] and "_decode" in compiled[1], compiled
     again = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
@@ -97,14 +102,14 @@ def test_prompts_are_padded_to_power_of_two_buckets():
 
 def test_sampling_depends_on_the_seed_only(loaded):
     model, tokenizer = loaded
-    first = meshtrain.generate(model, tokenizer, PROMPT, 8, temperature=1.0, seed=1)
-    again = meshtrain.generate(model, tokenizer, PROMPT, 8, temperature=1.0, seed=1)
-    other = meshtrain.generate(model, tokenizer, PROMPT, 8, temperature=1.0, seed=2)
+    first = meshtrain.generate(model, tokenizer, PROMPT, **SAMPLED, seed=1)
+    again = meshtrain.generate(model, tokenizer, PROMPT, **SAMPLED, seed=1)
+    other = meshtrain.generate(model, tokenizer, PROMPT, **SAMPLED, seed=2)
     assert first == again != other
 
 
 def _cli(*args):
-    return run_python("-m", "meshtrain.generate", *args, devices=1, timeout=300)
+    return module_command("meshtrain.generate", args, devices=1)
 
 
 def test_command_line(checkpoint, loaded):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import tiny_hf
-from helpers.process import run_python
-from helpers.runs import train_tiny
+from helpers.commands import module_command
+from helpers.runs import SMALL_RUN, train_tiny
 
 import meshtrain
 from meshtrain.checkpoint.layout import fingerprints
@@ -22,14 +22,11 @@ PROMPT = "import "
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """3 steps of the tiny model on [[4,2]] with a checkpoint after each."""
+    """3 steps of the one-layer tiny model (helpers.runs.SMALL_RUN: synthetic data, byte
+    tokenizer) on [[4,2]] with a checkpoint after each."""
     run_dir = tmp_path_factory.mktemp("run")
     return run_dir, train_tiny(
-        run_dir,
-        "model.mesh_shape=[[4,2],[fsdp,tp]]",
-        "training.steps=3",
-        "training.eval_every=0",
-        "checkpoint.every_steps=1",
+        run_dir, *SMALL_RUN, "model.mesh_shape=[[4,2],[fsdp,tp]]", "checkpoint.every_steps=1"
     )
 
 
@@ -80,12 +77,14 @@ def test_config_and_errors(trained, tmp_path):
 
 def test_generate_command_on_a_run_directory(trained):
     run_dir, _ = trained
-    result = run_python(
-        "-m", "meshtrain.generate", run_dir, PROMPT, "--max-new-tokens", "8", devices=1
+    # 6 new tokens, as tests/inference/test_export_generate.py generates with the same
+    # one-layer model: a test run compiles its generation programs once.
+    result = module_command(
+        "meshtrain.generate", [run_dir, PROMPT, "--max-new-tokens", "6"], devices=1
     )
     assert result.returncode == 0, result.stderr
     model, tokenizer = load_checkpoint(run_dir), meshtrain.build_tokenizer("byte")
-    completion = meshtrain.generate(model, tokenizer, PROMPT, max_new_tokens=8)
+    completion = meshtrain.generate(model, tokenizer, PROMPT, max_new_tokens=6)
     assert result.stdout == PROMPT + completion + "\n"
     assert completion  # the byte model continues, however badly, after 3 steps
 

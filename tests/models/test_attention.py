@@ -5,6 +5,7 @@ documented."""
 
 import dataclasses
 import logging
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -83,34 +84,65 @@ def _output_and_grads(fn, q, k, v, cotangent):
     return out, vjp(cotangent)
 
 
+# Every (heads, mask) case of a kernel: grouped-query heads down to a single key/value head, on
+# each mask. One compiled program computes a kernel's outputs and gradients on all of them (and
+# one the oracle's): each case is its own part of that program, as it was its own program.
+HEADS = [(4, 4), (4, 2), (6, 1)]
+CASES = [(heads, kv_heads, mask) for heads, kv_heads in HEADS for mask in MASKS]
+
+
+def _all_cases(attention):
+    """[(output, (dq, dk, dv))] of attention(q, k, v, *, window, segment_ids) on each of CASES,
+    under one jit: the inputs of _inputs(heads, kv_heads) and a random cotangent, so that every
+    output entry weighs on the gradients."""
+    inputs = {}
+    for heads, kv_heads in HEADS:
+        q, k, v = _inputs(heads, kv_heads)
+        cotangent = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
+        inputs[f"{heads}-{kv_heads}"] = (q, k, v, cotangent)
+
+    def run(inputs):
+        results = []
+        for heads, kv_heads, mask in CASES:
+            window, segments = MASKS[mask]
+            segment_ids = SEGMENTS if segments else None
+            fn = partial(attention, window=window, segment_ids=segment_ids)
+            results.append(_output_and_grads(fn, *inputs[f"{heads}-{kv_heads}"]))
+        return results
+
+    return jax.jit(run)(inputs)
+
+
+@pytest.fixture(scope="module")
+def oracle_cases():
+    return _all_cases(partial(einsum_attention, scale=0.3))
+
+
 @pytest.mark.parametrize(("kernel", "block", "platform"), KERNELS)
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (6, 1)])
-@pytest.mark.parametrize("mask", MASKS)
-def test_kernels_match_the_einsum_oracle(
-    kernel, block, platform, heads, kv_heads, mask, monkeypatch
-):
+def test_kernels_match_the_einsum_oracle(kernel, block, platform, oracle_cases, monkeypatch):
+    """Each kernel against the oracle on every case of CASES (heads × masks), outputs and
+    gradients; every case that differs is reported."""
     if platform == "gpu":  # the program a GPU host compiles, run here
         monkeypatch.setattr(attention_module, "target_device", lambda device=None: A100)
-    window, segments = MASKS[mask]
-    q, k, v = _inputs(heads, kv_heads)
-    segment_ids = SEGMENTS if segments else None
-    scale = 0.3
-    # A random cotangent, so that every output entry weighs on the gradients.
-    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
 
-    def oracle(q, k, v):
-        return einsum_attention(q, k, v, scale=scale, window=window, segment_ids=segment_ids)
-
-    def ours(q, k, v):
+    def ours(q, k, v, *, window, segment_ids):
         return dot_product_attention(
-            q, k, v, kernel=kernel, block=block, scale=scale, window=window, segment_ids=segment_ids
+            q, k, v, kernel=kernel, block=block, scale=0.3, window=window, segment_ids=segment_ids
         )
 
-    expected, expected_grads = _output_and_grads(oracle, q, k, v, cotangent)
-    got, got_grads = jax.jit(lambda *a: _output_and_grads(ours, *a))(q, k, v, cotangent)
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-    for name, ours_grad, oracle_grad in zip("qkv", got_grads, expected_grads, strict=True):
-        np.testing.assert_allclose(ours_grad, oracle_grad, rtol=1e-5, atol=1e-5, err_msg=name)
+    failures = []
+    for case, (got, got_grads), (expected, expected_grads) in zip(
+        CASES, _all_cases(ours), oracle_cases, strict=True
+    ):
+        try:
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5, err_msg=str(case))
+            for name, ours_grad, oracle_grad in zip("qkv", got_grads, expected_grads, strict=True):
+                np.testing.assert_allclose(
+                    ours_grad, oracle_grad, rtol=1e-5, atol=1e-5, err_msg=f"{case} d{name}"
+                )
+        except AssertionError as failure:
+            failures.append(str(failure))
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.skipif(
@@ -152,11 +184,16 @@ def test_cudnn_matches_the_einsum_oracle_in_bf16(heads, kv_heads, mask, head_dim
 
 def test_documents_do_not_see_each_other():
     q, k, v = _inputs(4, 2)
-    out = dot_product_attention(q, k, v, kernel="chunked", block=8, segment_ids=SEGMENTS)
+    attend = jax.jit(
+        lambda q, k, v: dot_product_attention(
+            q, k, v, kernel="chunked", block=8, segment_ids=SEGMENTS
+        )
+    )
+    out = attend(q, k, v)
     # Changing the first document's keys and values leaves the other documents' outputs as
     # they were, to the bit (their probabilities on it are exactly 0).
     k2, v2 = k.at[0, :7].add(1.0), v.at[0, :7].add(1.0)
-    changed = dot_product_attention(q, k2, v2, kernel="chunked", block=8, segment_ids=SEGMENTS)
+    changed = attend(q, k2, v2)
     np.testing.assert_array_equal(changed[0, 7:], out[0, 7:])
     assert not np.allclose(changed[0, :7], out[0, :7])
 
@@ -274,23 +311,37 @@ def test_the_model_gives_the_same_logits_with_every_kernel(monkeypatch):
         )
 
 
+TRACED_WINDOWS = (5, None)
+
+
+@jax.jit
+@partial(jax.value_and_grad, argnums=(0, 1, 2))
+def _traced_kind(q, k, v, kind):
+    """One program for every kind: the window is that of the traced kind."""
+    window = WindowOfKind(kind, TRACED_WINDOWS)
+    return dot_product_attention(q, k, v, kernel="chunked", window=window, block=4).sum()
+
+
+@partial(jax.jit, static_argnames="window")
+def _static_window(q, k, v, window):
+    """The output and the gradients of its sum, for a static window."""
+    out, vjp = jax.vjp(
+        lambda q, k, v: dot_product_attention(q, k, v, kernel="chunked", window=window, block=4),
+        q,
+        k,
+        v,
+    )
+    return out, vjp(jnp.ones_like(out))
+
+
 @pytest.mark.parametrize("kind", [0, 1])
 def test_a_traced_layer_kind_attends_with_its_own_window(kind):
     """WindowOfKind (a scanned layer of several kinds): only the attention branches on the
     kind, and each branch is the attention of that kind's window, outputs and gradients."""
     q, k, v = _inputs(4, 2, length=16, seed=3)
-    windows = (5, None)
-
-    def traced(q, k, v, kind):
-        window = WindowOfKind(kind, windows)
-        return dot_product_attention(q, k, v, kernel="chunked", window=window, block=4).sum()
-
-    def static(q, k, v):
-        out = dot_product_attention(q, k, v, kernel="chunked", window=windows[kind], block=4)
-        return out.sum()
-
-    value, grads = jax.jit(jax.value_and_grad(traced, argnums=(0, 1, 2)))(q, k, v, jnp.int32(kind))
-    expected, expected_grads = jax.value_and_grad(static, argnums=(0, 1, 2))(q, k, v)
+    value, grads = _traced_kind(q, k, v, jnp.int32(kind))
+    out, expected_grads = _static_window(q, k, v, window=TRACED_WINDOWS[kind])
+    expected = out.sum()  # summed on its own, as value_and_grad outside a jit sums it
     np.testing.assert_allclose(value, expected, rtol=1e-6)
     for got, want in zip(grads, expected_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

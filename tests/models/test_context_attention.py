@@ -2,6 +2,8 @@
 and gradients, for cp = 2, 4 and 8, on causal, windowed and packed multi-document masks, with
 grouped-query heads down to a single key/value head, with the kernels that run on a CPU."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,14 +66,21 @@ def _split_attention(mesh_shape, q, k, v, *, kernel, window, segment_ids, fsdp_a
         return jax.jit(out_and_grads)(q, k, v, segment_ids)
 
 
-def _assert_equals_the_oracle(out, grads, q, k, v, *, window, segment_ids):
-    """out and the gradients of sum(sin(out)) are the einsum oracle's, to 1e-5."""
+@partial(jax.jit, static_argnames="window")
+def _oracle(q, k, v, segment_ids, *, window):
+    """The einsum oracle's output and the gradients of sum(sin(output)), in one program."""
 
     def oracle(q, k, v):
         return einsum_attention(q, k, v, scale=0.3, window=window, segment_ids=segment_ids)
 
-    np.testing.assert_allclose(out, oracle(q, k, v), rtol=1e-5, atol=1e-5)
-    expected = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(oracle(q, k, v))), (0, 1, 2))(q, k, v)
+    grads = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(oracle(q, k, v))), (0, 1, 2))(q, k, v)
+    return oracle(q, k, v), grads
+
+
+def _assert_equals_the_oracle(out, grads, q, k, v, *, window, segment_ids):
+    """out and the gradients of sum(sin(out)) are the einsum oracle's, to 1e-5."""
+    want_out, expected = _oracle(q, k, v, segment_ids, window=window)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 

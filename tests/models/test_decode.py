@@ -28,18 +28,20 @@ _prefill = nnx.jit(decode.prefill, static_argnames="cache_length", graph=False)
 _step = nnx.jit(decode.decode_step, graph=False)
 
 
-def cached_logits(model: Transformer, tokens: np.ndarray) -> np.ndarray:
+def cached_logits(model: Transformer, tokens: np.ndarray, cache_length: int | None = None):
     """[T - PROMPT + 1, B, V]: the logits after tokens[:, :PROMPT] (a prefill of BUCKET
-    positions, zeros after the prompt), then after each further token, one decode step each."""
+    positions, zeros after the prompt), then after each further token, one decode step each;
+    and the cache the prefill made (of cache_length positions, BUCKET + T by default)."""
     batch, length = tokens.shape
     padded = np.zeros((batch, BUCKET), np.int32)  # [B, BUCKET]
     padded[:, :PROMPT] = tokens[:, :PROMPT]
-    logits, cache = _prefill(model, padded, np.int32(PROMPT), cache_length=BUCKET + length)
-    rows = [np.asarray(logits)]
+    cache_length = BUCKET + length if cache_length is None else cache_length
+    logits, prefilled = _prefill(model, padded, np.int32(PROMPT), cache_length=cache_length)
+    rows, cache = [np.asarray(logits)], prefilled
     for position in range(PROMPT, length):
         logits, cache = _step(model, tokens[:, position : position + 1], np.int32(position), cache)
         rows.append(np.asarray(logits))
-    return np.stack(rows)
+    return np.stack(rows), prefilled
 
 
 def errors(cached: np.ndarray, full: np.ndarray) -> list[float]:
@@ -57,7 +59,7 @@ def test_each_decode_step_equals_the_full_recompute(family, scan_layers, tmp_pat
     tokens = tiny_hf.TOKENS[:1].astype(np.int32)  # [1, 40]: past Gemma's 16-token window
     # A causal model's logits at position p are those of the prefix tokens[:, :p + 1].
     full = np.asarray(model(tokens))  # [1, 40, V]
-    cached = cached_logits(model, tokens)
+    cached, _ = cached_logits(model, tokens)
     assert cached.shape == (tokens.shape[1] - PROMPT + 1, 1, tiny_hf.VOCAB)
     assert max(errors(cached, full)) <= CACHED_TOLERANCE
 
@@ -73,9 +75,8 @@ def test_on_a_mesh_the_cache_is_sharded_like_the_keys_and_values(kv_heads):
     sharded = on_mesh(alone, cfg, MESH)
     tokens = np.random.default_rng(0).integers(0, 259, (4, 24)).astype(np.int32)  # [B=4, T]
     mesh = sharded.params_mesh()
-    with jax.set_mesh(mesh):
-        cached = cached_logits(sharded, tokens)
-        _, cache = _prefill(sharded, tokens[:, :BUCKET], np.int32(BUCKET), cache_length=32)
+    with jax.set_mesh(mesh):  # the prefill's cache holds 32 positions, the 24 tokens' and more
+        cached, cache = cached_logits(sharded, tokens, cache_length=32)
     assert max(errors(cached, np.asarray(alone(tokens)))) <= CACHED_TOLERANCE
     rules = sharded.rules  # kv_heads replicated when 2 tp ranks share 1 key/value head
     assert (rules["kv_heads"] is None) == (kv_heads == 1)

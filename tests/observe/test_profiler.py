@@ -6,8 +6,8 @@ import json
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers.commands import train_command
 from helpers.config import compose_config
-from helpers.process import run_training
 
 from meshtrain.config.validate import check_config
 from meshtrain.errors import ConfigError
@@ -19,7 +19,7 @@ from meshtrain.observe.trace import collective_time, find_trace, step_annotation
 def profiled_run(tmp_path_factory):
     """5 steps on 8 devices (fsdp); the window asks for steps 4-6 and is cut at the last step."""
     run_dir = tmp_path_factory.mktemp("profiled")
-    result = run_training(
+    result = train_command(
         'model.mesh_shape=[[8,1],["fsdp","tp"]]',
         "training.micro_batch_size=1",
         "data=synthetic",
@@ -33,7 +33,6 @@ def profiled_run(tmp_path_factory):
         "training.profile_communication=true",
         f"hydra.run.dir={run_dir}",
         devices=8,
-        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir, result

@@ -33,7 +33,7 @@ def benchmark(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.slow  # .ci/run runs the same quick benchmark
+@pytest.mark.bench  # .ci/run runs the same quick benchmark itself
 def test_w1_quick_json(tmp_path):
     proc = benchmark(
         "--workload", "W1", "--quick", "--warmup", "0", "--steps", "1", "--json", cache=tmp_path

@@ -9,7 +9,7 @@ from helpers.paths import REPO
 from helpers.process import subprocess_env
 
 
-@pytest.mark.slow  # two children of 8 faked devices, 20 s
+@pytest.mark.bench  # a measurement: two children of 8 faked devices, 20 s
 def test_a_measured_and_a_planned_cell(tmp_path):
     out = tmp_path / "context.json"
     command = [sys.executable, "scripts/benchmark_context.py", "--lengths", "512"]

@@ -18,9 +18,8 @@ RATES = (
     "read_sequences_per_sec_per_process",
     "read_step_s_per_process",
 )
-# slow: the quick run takes 15 s, kept out of the default suite's 10 minutes (CI runs the slow
-# set too)
-pytestmark = pytest.mark.slow
+# A measurement (15 s for the quick run): `pytest -m bench`.
+pytestmark = pytest.mark.bench
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import pytest
 from helpers.paths import REPO
 
 
+@pytest.mark.bench  # a measurement: a child process timing generation
 def test_tiny_quick_json():
     command = [sys.executable, str(REPO / "scripts" / "benchmark_generate.py")]
     args = ["--prompt-tokens", "5", "--new-tokens", "6", "--runs", "3", "--json"]

@@ -19,7 +19,7 @@ MID_SIZE = (
 )
 
 
-@pytest.mark.slow  # two child processes, about 60 s
+@pytest.mark.bench  # a measurement: two child processes, about 60 s
 def test_qlora_lowers_the_planned_and_the_measured_peak(tmp_path):
     out = tmp_path / "lora.json"
     command = [sys.executable, str(REPO / "scripts" / "benchmark_lora.py"), "--models", "tiny"]

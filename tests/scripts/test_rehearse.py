@@ -13,7 +13,7 @@ from helpers.paths import REPO
 from helpers.process import run_python
 
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.bench,  # a rehearsal at a published size is a measurement: `pytest -m bench`
     # transformers builds the checkpoints, in the child: looked up here, not imported (the
     # default set, which collects this file, must import no torch; tests/conftest.py checks).
     pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch (parity)"),

@@ -21,10 +21,12 @@ from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.setup import prepare
 from meshtrain.train.state import create_train_state, state_shardings
 
-# The tiny Hugging Face shapes of tests/helpers/tiny_hf: Llama 3 (3 layers, GQA 4:2) and Gemma 3
-# (7 layers, 5 local with a window of 16 and 2 global, here with a single key/value head).
+# The tiny Hugging Face shapes of tests/helpers/tiny_hf: Llama 3 (GQA 4:2; here 1 layer of its 3,
+# each layer being the same cp attention and MLP: every kind of parameter, and the gradients
+# through attention back to the embeddings) and Gemma 3 (7 layers, 5 local with a window of 16
+# and 2 global, here with a single key/value head).
 FAMILIES = {
-    "llama": SPECS["llama"][1],
+    "llama": (*SPECS["llama"][1], "model.num_layers=1"),
     "gemma3": (*SPECS["gemma3"][1], "model.num_kv_heads=1", "model.scan_layers=true"),
 }
 TEXT = ("data.seq_len=128",)  # the standard library's source, packed: documents masked

@@ -55,12 +55,18 @@ def test_packed_logits_equal_each_document_alone(flavour):
     blocks = [np.concatenate([[BOS], d, [EOS]]) for d in documents]
     packed = np.concatenate([*blocks, [PAD, PAD]])[None].astype(np.int32)  # [1, 34]
     segment_ids, positions = DocumentBoundaries(bos_id=BOS, eos_id=EOS).segments(packed)
-    logits = jax.jit(lambda t, p, s: model(t, p, s))(packed, positions, segment_ids)[0]
+    forward = jax.jit(lambda t, p=None, s=None: model(t, p, s))
+    logits = forward(packed, positions, segment_ids)[0]
+    # Each document alone, in one batch of one shape: a row per document, padded at its end,
+    # which causal attention keeps from its tokens' logits.
+    longest = max(map(len, blocks))
+    rows = np.stack([np.pad(b, (0, longest - len(b)), constant_values=PAD) for b in blocks])
+    alone_rows = forward(jnp.asarray(rows, jnp.int32))  # [documents, longest, V]
     start = 0
-    for block in blocks:
-        alone = model(jnp.asarray(block[None], jnp.int32))[0]  # [len, V]
+    for block, row in zip(blocks, alone_rows, strict=True):
+        alone = row[: len(block)]  # [len, V]
         np.testing.assert_allclose(logits[start : start + len(block)], alone, rtol=1e-5, atol=2e-5)
         start += len(block)
     # Without masking, the later documents see the earlier ones: their logits differ.
-    unmasked = model(jnp.asarray(packed))[0]
+    unmasked = forward(jnp.asarray(packed))[0]
     assert float(jnp.max(jnp.abs(unmasked[len(blocks[0]) :] - logits[len(blocks[0]) :]))) > 1e-2

@@ -146,7 +146,9 @@ def test_one_lora_step_equals_the_hand_written_reference(tmp_path, mesh, devices
 
 
 def test_the_optimizer_and_the_checkpoints_hold_the_adapters_only(tmp_path):
-    result = train_tiny(tmp_path, *RUN, "model.mesh_shape=[[4,2],[fsdp,tp]]", devices=8)
+    # What the state holds does not depend on the mesh: one device (the run of the slow
+    # test_one_lora_step_equals_the_hand_written_reference[1x1]).
+    result = train_tiny(tmp_path, *RUN, "model.mesh_shape=[[1,1],[fsdp,tp]]", devices=1)
     adapters = jax.tree.leaves(result.state.params)
     count = sum(a.size for a in adapters)
     moments = [

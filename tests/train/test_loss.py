@@ -41,13 +41,16 @@ def log_softmax_loss(x, w, targets, mask, layout):
     return -jnp.sum(jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0] * mask)
 
 
+# Its loss and gradients by (x, w), compiled once per shape and layout (not one program per
+# operation, as jax.value_and_grad alone would run them).
+reference = jax.jit(jax.value_and_grad(log_softmax_loss, argnums=(0, 1)), static_argnums=4)
+
+
 @pytest.mark.parametrize("layout", ["DV", "VD"])
 @pytest.mark.parametrize("chunk_rows", [4 * 37, 4 * 10, 4])  # 1 chunk; 4 chunks (3 padded); 37
 def test_fused_loss_and_gradients_equal_log_softmax(layout, chunk_rows):
     x, w, targets, mask = _problem(layout)
-    expected, expected_grads = jax.value_and_grad(log_softmax_loss, argnums=(0, 1))(
-        x, w, targets, mask, layout
-    )
+    expected, expected_grads = reference(x, w, targets, mask, layout)
 
     def fused(x, w):
         return output_cross_entropy(x, w, layout, targets, mask, rules=RULES, chunk_rows=chunk_rows)
@@ -64,33 +67,43 @@ def test_fused_loss_and_gradients_equal_log_softmax(layout, chunk_rows):
 def test_padding_targets_get_no_gradient():
     x, w, targets, mask = _problem("DV")
     mask = mask.at[:, 20:].set(0.0)
-    grads = jax.grad(
-        lambda x: output_cross_entropy(x, w, "DV", targets, mask, rules=RULES, chunk_rows=8)
+    grads = jax.jit(  # one program, not one per operation
+        jax.grad(
+            lambda x: output_cross_entropy(x, w, "DV", targets, mask, rules=RULES, chunk_rows=8)
+        )
     )(x)
     np.testing.assert_array_equal(grads[:, 20:], 0.0)
 
 
 def test_bf16_compute():
     x, w, targets, mask = _problem("VD")
-    expected_grads = jax.grad(log_softmax_loss, argnums=(0, 1))(x, w, targets, mask, "VD")
+    expected, expected_grads = reference(x, w, targets, mask, "VD")
     x16, w16 = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    loss, grads = jax.value_and_grad(
-        lambda x, w: output_cross_entropy(x, w, "VD", targets, mask, rules=RULES, chunk_rows=40),
-        argnums=(0, 1),
+    loss, grads = jax.jit(  # one program, not one per operation
+        jax.value_and_grad(
+            lambda x, w: output_cross_entropy(
+                x, w, "VD", targets, mask, rules=RULES, chunk_rows=40
+            ),
+            argnums=(0, 1),
+        )
     )(x16, w16)
     assert loss.dtype == jnp.float32
     assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.bfloat16]
-    np.testing.assert_allclose(loss, log_softmax_loss(x, w, targets, mask, "VD"), rtol=1e-2)
+    np.testing.assert_allclose(loss, expected, rtol=1e-2)
     for ours, theirs in zip(grads, expected_grads, strict=True):
         np.testing.assert_allclose(ours.astype(jnp.float32), theirs, rtol=0, atol=5e-2)
 
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_the_models_loss_is_the_log_softmax_of_its_logits(tie):
-    cfg = dataclasses.replace(compose_config().model, tie_embeddings=tie)
+    # One layer: the loss under test sits after the blocks, whatever their number.
+    cfg = dataclasses.replace(compose_config().model, tie_embeddings=tie, num_layers=1)
     spec = parse_mesh_shape([[1, 1], ["fsdp", "tp"]], 1)
     model = abstract_model(cfg, build_mesh(spec, jax.devices()[:1]), spec)
-    params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    # Compiled (as is `before` below): one program each, not one per operation.
+    params = jax.jit(
+        lambda: nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    )()
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, 300, (2, 33)), jnp.int32)
     tokens = tokens.at[1, 25:].set(0)  # padding (pad id 0) at the end of the second row
 
@@ -111,7 +124,7 @@ def test_the_models_loss_is_the_log_softmax_of_its_logits(tie):
         picked = jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
         return -jnp.sum(picked * mask)
 
-    expected, expected_grads = jax.value_and_grad(before)(params)
+    expected, expected_grads = jax.jit(jax.value_and_grad(before))(params)
     assert float(count) == 2 * 32 - 8
     np.testing.assert_allclose(total, expected, rtol=1e-6)
     # Gradients of a sum over 56 tokens (entries up to ~5): reordered fp32 sums, and the
@@ -154,9 +167,7 @@ def _sharded_grads(layout, chunk_rows, *, batch=8, length=32, vocab=64):
 @pytest.mark.parametrize("layout", ["DV", "VD"])
 def test_sharded_and_chunked_gradients_reduce_once_over_the_batch(layout):
     x, w, targets, mask = _problem(layout, batch=8, length=32, d=16, vocab=64)
-    expected, expected_grads = jax.value_and_grad(log_softmax_loss, argnums=(0, 1))(
-        x, w, targets, mask, layout
-    )
+    expected, expected_grads = reference(x, w, targets, mask, layout)
     whole_loss, whole_grads, whole_bytes = _sharded_grads(layout, chunk_rows=2 * 32)  # 1 chunk
     loss, grads, chunked_bytes = _sharded_grads(layout, chunk_rows=2 * 8)  # 4 chunks
     for value, gradients in ((whole_loss, whole_grads), (loss, grads)):
@@ -175,9 +186,7 @@ def test_a_vocabulary_larger_than_the_batch_moves_tokens_not_the_weight(layout):
     gradient. The same loss and gradients, in fewer bytes over fsdp."""
     shape = {"batch": 8, "length": 4, "vocab": 512}
     x, w, targets, mask = _problem(layout, **shape, d=16)
-    expected, expected_grads = jax.value_and_grad(log_softmax_loss, argnums=(0, 1))(
-        x, w, targets, mask, layout
-    )
+    expected, expected_grads = reference(x, w, targets, mask, layout)
     loss, grads, fsdp_bytes = _sharded_grads(layout, chunk_rows=64, **shape)
     np.testing.assert_allclose(loss, expected, rtol=1e-6)
     for ours, theirs in zip(grads, expected_grads, strict=True):

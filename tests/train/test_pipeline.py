@@ -6,6 +6,8 @@ import json
 import math
 import re
 from collections import Counter
+from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -40,11 +42,47 @@ def _losses(result):
     return np.array([h["loss"] for h in result.history])
 
 
+# Every run of `runs` saves a checkpoint at each step (checkpoint.every_steps changes no program):
+# test_a_checkpoint_resumes_across_pp_and_non_pp_meshes resumes from them.
+WRITER = ("checkpoint.every_steps=1",)
+
+
+class Written(NamedTuple):
+    losses: np.ndarray
+    run_dir: Path
+
+
 @pytest.fixture(scope="module")
-def without_pp(tmp_path_factory):
-    return _losses(
-        train_tiny(tmp_path_factory.mktemp("fsdp"), *RUN, "model.mesh_shape=[[8,1],[fsdp,tp]]")
-    )
+def runs(tmp_path_factory):
+    """(mesh, microbatches, schedule) → Written: each pipelined run of RUN trains once in this
+    module, and serves every test that asks for it. Every run writes communication.json too."""
+    done = {}
+
+    def run(mesh, microbatches=None, schedule="gpipe"):
+        key = (mesh, microbatches, schedule)
+        if key not in done:
+            run_dir = tmp_path_factory.mktemp("run")
+            pipeline = (
+                () if microbatches is None else (f"training.pipeline.microbatches={microbatches}",)
+            )
+            result = train_tiny(
+                run_dir,
+                *RUN,
+                *WRITER,
+                f"model.mesh_shape={mesh}",
+                f"training.pipeline.schedule={schedule}",
+                *pipeline,
+                "training.profile_communication=true",
+            )
+            done[key] = Written(_losses(result), run_dir)
+        return done[key]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def without_pp(runs):
+    return runs("[[8,1],[fsdp,tp]]").losses
 
 
 def _case(mesh, microbatches, schedule, *marks):
@@ -64,19 +102,11 @@ def _case(mesh, microbatches, schedule, *marks):
     ],
 )
 def test_every_mesh_and_schedule_gives_the_losses_without_pp(
-    tmp_path, without_pp, mesh, microbatches, schedule
+    runs, without_pp, mesh, microbatches, schedule
 ):
     """Circular, with 2 layers per stage and 2 repeats, runs layers (0, 2) on stage 0 and
     (1, 3) on stage 1: local and global layers at the same step of the two stages' scans."""
-    losses = _losses(
-        train_tiny(
-            tmp_path,
-            *RUN,
-            f"model.mesh_shape={mesh}",
-            f"training.pipeline.schedule={schedule}",
-            f"training.pipeline.microbatches={microbatches}",
-        )
-    )
+    losses = runs(mesh, microbatches, schedule).losses
     np.testing.assert_allclose(losses, without_pp, rtol=1e-5)
 
 
@@ -175,14 +205,9 @@ def test_gemma_layer_pattern_crosses_stage_boundaries(tmp_path):
         np.testing.assert_allclose(_losses(piped), flat, rtol=1e-5)
 
 
-def test_the_log_the_plan_and_the_communication_report(tmp_path):
-    train_tiny(
-        tmp_path,
-        *RUN,
-        "model.mesh_shape=[[2,4],[pp,fsdp]]",
-        "training.steps=1",
-        "training.profile_communication=true",
-    )
+def test_the_log_the_plan_and_the_communication_report(runs):
+    # The default micro-batches (pp = 2) and schedule (gpipe): the run of the gpipe case above.
+    tmp_path = runs("[[2,4],[pp,fsdp]]", 2).run_dir
     log = (tmp_path / "train.log").read_text()
     assert (
         "pipeline: 2 stages, 2 micro-batches, gpipe: bubble 33.3% ((S-1)/(M+S-1)), activations "
@@ -214,7 +239,7 @@ def _hand_overs(run_dir):
     ]
 
 
-def test_circular_logs_its_bubble_and_measures_it_under_the_profiler(tmp_path):
+def test_circular_logs_its_bubble_and_measures_it_under_the_profiler(tmp_path, without_pp):
     result = train_tiny(
         tmp_path,
         *RUN,
@@ -226,6 +251,7 @@ def test_circular_logs_its_bubble_and_measures_it_under_the_profiler(tmp_path):
         "profile.num_steps=2",
         "training.profile_communication=true",
     )
+    np.testing.assert_allclose(_losses(result), without_pp, rtol=1e-5)  # the profiler aside
     log = (tmp_path / "train.log").read_text()
     assert (
         "pipeline: 2 stages, 2 micro-batches, circular × 2 repeats: bubble 20.0% "
@@ -338,28 +364,27 @@ def test_1f1b_keeps_less_activation_memory_than_gpipe():
     assert one_f_one_b < 0.6 * gpipe, (one_f_one_b, gpipe)
 
 
-FAST = ("training.steps=4", "checkpoint.every_steps=2", "training.log_every=1")
-
-
 @pytest.mark.parametrize(
     ("writer", "reader"),
     [
-        pytest.param("[[2,4],[pp,fsdp]]", "[[8,1],[fsdp,tp]]", marks=pytest.mark.slow),
-        ("[[8,1],[fsdp,tp]]", "[[2,4],[pp,fsdp]]"),
+        pytest.param(("[[2,4],[pp,fsdp]]", 2), "[[8,1],[fsdp,tp]]", marks=pytest.mark.slow),
+        (("[[8,1],[fsdp,tp]]",), "[[2,4],[pp,fsdp]]"),
     ],
     ids=["pp-to-fsdp", "fsdp-to-pp"],
 )
-def test_a_checkpoint_resumes_across_pp_and_non_pp_meshes(tmp_path, writer, reader):
-    written = train_tiny(tmp_path / "writer", *RUN, *FAST, f"model.mesh_shape={writer}")
+def test_a_checkpoint_resumes_across_pp_and_non_pp_meshes(tmp_path, runs, writer, reader):
+    """The writer is a 3-step run of `runs` (a checkpoint every step); the reader resumes from
+    its step 1 with the program the reader's mesh compiled for `runs` already."""
+    written = runs(*writer)
     resumed = train_tiny(
-        tmp_path / "reader",
+        tmp_path,
         *RUN,
-        *FAST,
+        *WRITER,
         f"model.mesh_shape={reader}",
-        f"checkpoint.resume={tmp_path / 'writer' / 'checkpoints' / '2'}",
+        f"checkpoint.resume={written.run_dir / 'checkpoints' / '1'}",
     )
-    assert [h["step"] for h in resumed.history] == [3, 4]
-    np.testing.assert_allclose(_losses(resumed), _losses(written)[2:], rtol=1e-5)
+    assert [h["step"] for h in resumed.history] == [2, 3]
+    np.testing.assert_allclose(_losses(resumed), written.losses[1:], rtol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.runs import train_tiny as _train_tiny
+from helpers.short_training import SHORT_TEXT
 from helpers.tiny_tokenizers import train_bpe
 
 from meshtrain.checkpoint import read_meta
@@ -209,7 +210,9 @@ def train_tiny(run_dir, *overrides):
     return _train_tiny(run_dir, *overrides, devices=1)
 
 
-FAST = ("training.log_every=1", "training.eval_every=0", "training.warmup_steps=1")
+# The short text run of helpers.short_training (one compiled step, shared with test_loop.py's
+# one-device runs), logged every step.
+FAST = ("training.log_every=1", "training.eval_every=0", *SHORT_TEXT)
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +235,7 @@ def _mixture(root, weights):
 
 
 def test_a_resume_with_another_tokenizer_is_refused_before_compiling(tmp_path, documents):
-    common = (f"data.paths=[{documents / 'a'}]", "data.seq_len=32", "checkpoint.every_steps=2")
+    common = (f"data.paths=[{documents / 'a'}]", "checkpoint.every_steps=2")
     train_tiny(tmp_path, *common, "training.steps=2", *FAST)
     bpe = train_bpe(tmp_path / "bpe")
     with pytest.raises(ConfigError) as err:
@@ -249,9 +252,10 @@ def test_a_resume_with_another_tokenizer_is_refused_before_compiling(tmp_path, d
 
 
 def test_changing_scan_layers_names_the_key(tmp_path):
-    train_tiny(tmp_path, "data=synthetic", "model.scan_layers=true", "training.steps=1", *FAST)
+    short = ("data=synthetic", *FAST)
+    train_tiny(tmp_path, *short, "model.scan_layers=true", "training.steps=1")
     with pytest.raises(ConfigError, match=r"model\.scan_layers true → false; put the old value"):
-        train_tiny(tmp_path, "data=synthetic", "model.scan_layers=false", "training.steps=2")
+        train_tiny(tmp_path, *short, "model.scan_layers=false", "training.steps=2")
 
 
 def _drawn_a(dataset_cfg_overrides, state, steps, root, weights):
@@ -270,7 +274,9 @@ def _drawn_a(dataset_cfg_overrides, state, steps, root, weights):
 
 
 def test_mixture_shares_across_a_resume_with_changed_weights(tmp_path, documents):
-    common = ("data.seq_len=16", "training.micro_batch_size=8", "checkpoint.every_steps=10")
+    # SHORT_TEXT's constant learning rate: training.steps (10, then 20) is no part of the
+    # compiled step, and both runs run the one program of FAST.
+    common = ("training.micro_batch_size=8", "checkpoint.every_steps=10", *SHORT_TEXT)
     train_tiny(tmp_path, _mixture(documents, (0.9, 0.1)), *common, "training.steps=10", *FAST)
     with pytest.raises(ConfigError, match=r"data\.mixture\[0\]\.weight 0\.9 → 0\.1; "):
         train_tiny(tmp_path, _mixture(documents, (0.1, 0.9)), *common, "training.steps=20")

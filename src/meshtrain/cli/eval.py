@@ -102,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's own lines about each read
     path = Path(args.checkpoint).expanduser()
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if importlib.util.find_spec("lm_eval") is None:
-        fail("meshtrain-eval needs lm-eval: pip install 'meshtrain[eval]' (lm_eval>=0.4.13)")
     try:
         if not path.is_dir():
             raise ConfigError(
@@ -123,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         model_args["checkpoint"] = str(path)
         parse_model_args(model_args)  # every key and value, before anything loads
         output = args.output or default_output(path)
+        if importlib.util.find_spec("lm_eval") is None:  # after the input: that error first
+            fail("meshtrain-eval needs lm-eval: pip install 'meshtrain[eval]' (lm_eval>=0.4.13)")
         from meshtrain.harness.run import run_tasks, task_manager  # imports lm-eval
 
         task_manager(tasks, args.include_path)  # unknown tasks, before the model loads
