@@ -7,10 +7,11 @@ compiled are cached. The subprocess smoke tests (tests/cli/test_entry_points.py 
 others) keep proving the entry points, exit codes and output filters as a user meets them.
 
 What a command changes in the process is put back afterwards: the loggers' handlers, levels
-and propagation (Hydra and meshtrain set them up), `sys.argv` and the environment variables it
-set. Hydra configures logging with `logging.config.dictConfig`, which closes every handler the
-process has, pytest's own among them: while a command runs here, that closing is skipped
-(`logging.config._clearExistingHandlers`), and the handlers are put back afterwards instead.
+and propagation (Hydra and meshtrain set them up), `sys.argv`, the environment variables it
+set and Hydra's global run config (HydraConfig). Hydra configures logging with
+`logging.config.dictConfig`, which closes every handler the process has, pytest's own among
+them: while a command runs here, that closing is skipped (`logging.config._clearExistingHandlers`),
+and the handlers are put back afterwards instead.
 """
 
 from __future__ import annotations
@@ -50,8 +51,11 @@ def _restored_process_state() -> Iterator[None]:
     """Puts back the handlers, level and propagation of every logger that existed before (a
     logger first made by an import meanwhile keeps what its library gave it), sys.argv and
     os.environ."""
+    from hydra.core.hydra_config import HydraConfig
+
     saved = {id(x): (x, list(x.handlers), x.level, x.propagate) for x in _loggers()}
     argv, environ = list(sys.argv), dict(os.environ)
+    hydra_config = HydraConfig.instance().cfg
     try:
         with mock.patch.object(logging.config, "_clearExistingHandlers", lambda: None):
             yield
@@ -66,6 +70,7 @@ def _restored_process_state() -> Iterator[None]:
         sys.argv[:] = argv
         os.environ.clear()
         os.environ.update(environ)
+        HydraConfig.instance().cfg = hydra_config  # a Hydra run sets it for the whole process
 
 
 @contextlib.contextmanager

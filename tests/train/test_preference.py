@@ -325,11 +325,13 @@ def test_meshes_the_objective_cannot_run_on_are_one_line(mesh, message, tmp_path
     assert str(error.value) == message
 
 
-def test_a_resumed_run_continues_bit_for_bit_and_its_reference_is_compared(tmp_path, caplog):
+def test_a_resumed_run_continues_bit_for_bit_and_its_reference_is_compared(tmp_path, capsys):
     """The reference is never checkpointed: a resume reads it again from the starting weights
     (here the first run's step-2 checkpoint, checkpoint.load_params) and compares their identity."""
     pairs = _pairs_file(tmp_path)
-    start = _dpo(tmp_path / "start", pairs, "training.steps=2", "checkpoint.every_steps=2", devices=1)
+    start = _dpo(
+        tmp_path / "start", pairs, "training.steps=2", "checkpoint.every_steps=2", devices=1
+    )
     weights = tmp_path / "start" / "checkpoints" / "2"
     common = (
         f"checkpoint.load_params={weights}",
@@ -347,16 +349,24 @@ def test_a_resumed_run_continues_bit_for_bit_and_its_reference_is_compared(tmp_p
     assert whole.history[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)
     assert start.history[-1]["loss"] != whole.history[0]["loss"]
 
-    with caplog.at_level("INFO"):
-        _dpo(tmp_path / "halves", pairs, *common, "training.steps=5", "objective.beta=0.2", devices=1)
-    assert "resuming with changed settings: objective.beta 0.1 → 0.2" in caplog.text
+    capsys.readouterr()
+    _dpo(tmp_path / "halves", pairs, *common, "training.steps=5", "objective.beta=0.2", devices=1)
+    assert (
+        "resuming with changed settings: training.steps 4 → 5, objective.beta 0.1 → 0.2\n"
+        in capsys.readouterr().out
+    )
 
-    other = _dpo(tmp_path / "other", pairs, "training.steps=1", "checkpoint.every_steps=1", devices=1)
+    other = _dpo(
+        tmp_path / "other", pairs, "training.steps=1", "checkpoint.every_steps=1", devices=1
+    )
     moved = (*common[1:], f"checkpoint.load_params={tmp_path / 'other' / 'checkpoints' / '1'}")
     with pytest.raises(ConfigError) as err:
         _dpo(tmp_path / "halves", pairs, *moved, "training.steps=6", devices=1)
+    other_weights = tmp_path / "other" / "checkpoints" / "1"
     assert str(err.value).startswith(
         f"checkpoint {tmp_path / 'halves' / 'checkpoints' / '5'} cannot be continued with this "
-        f"config: checkpoint.load_params {weights} → {tmp_path / 'other' / 'checkpoints' / '1'}; "
+        f"config: objective.reference_weights checkpoint.load_params={weights} → "
+        f"checkpoint.load_params={other_weights}; put the old value back"
     )
+    assert str(err.value).endswith("checkpoint.allow_changes=[objective.reference_weights]")
     assert other.history[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)

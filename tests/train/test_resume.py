@@ -74,8 +74,11 @@ REFUSED = {
             "seq_len",
             "validation_fraction",
             "on_bad_record",
+            "chosen_key",
+            "rejected_key",
         ]
     ),
+    *(f"objective.{k}" for k in ("name", "loss_type", "reference")),
     *(f"data.mixture[{i}].{k}" for i in (0, 1) for k in ("name", "paths", "weight")),
     "training.seed",
     "training.global_batch_size",
