@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers.commands import train_command
@@ -45,6 +46,44 @@ def test_a_second_lock_is_refused_naming_the_holder(tmp_path):
     lock.release()
     lock.release()  # twice is harmless
     assert not (directory / LOCK_NAME).exists()
+
+
+def test_a_checkpoint_dir_that_cannot_be_written_is_one_line_before_compiling(
+    tmp_path, monkeypatch
+):
+    # This test may run as root, whom no file mode stops: the lock file's open is refused here
+    # as a read-only directory refuses it.
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    open_file = Path.open
+
+    def read_only(path, *args, **kwargs):
+        if path.name == LOCK_NAME:
+            raise PermissionError(13, "Permission denied", str(path))
+        return open_file(path, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "open", read_only)
+        with pytest.raises(ConfigError) as err:
+            DirectoryLock(directory, "checkpoint.dir").acquire()
+    assert str(err.value) == (
+        f"checkpoint.dir={directory} is not writable (Permission denied); "
+        "set checkpoint.dir=<a writable directory>"
+    )
+    # A path that cannot be made (a file where a directory should be): refused alike, in the
+    # command's one line.
+    (tmp_path / "file").write_text("")
+    result = train_command(
+        "data=synthetic",
+        "training.steps=1",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"checkpoint.dir={tmp_path / 'file' / 'checkpoints'}",
+        devices=1,
+    )
+    assert_one_line_error(
+        result, f"checkpoint.dir={tmp_path / 'file' / 'checkpoints'} is not writable (Not a direc"
+    )
+    assert "compil" not in result.stderr
 
 
 def test_the_lock_of_a_run_that_is_gone_is_taken_over(tmp_path, caplog):

@@ -74,6 +74,21 @@ def test_compare_sorts_changes_into_refused_on_purpose_and_allowed():
     )
 
 
+def test_adapters_of_another_rank_are_not_offered_the_peft_restart():
+    # Adapters exported from this checkpoint have its rank: model.lora.init_from=peft:DIR would
+    # be refused for the same mismatch, so the line does not offer it.
+    changes = compare({"model.lora.rank": 8}, {"model.lora.rank": 16}, allow=[])
+    assert refusal(changes, "/run/checkpoints/2", adapters=True) == (
+        "checkpoint /run/checkpoints/2 cannot be continued with this config: model.lora.rank "
+        "8 → 16; put the old value back, start a new run directory (hydra.run.dir=...), or "
+        "accept the change on purpose with checkpoint.allow_changes=[model.lora.rank]"
+    )
+    changes = compare({"model.lora.alpha": 8}, {"model.lora.alpha": 16}, allow=[])
+    assert "model.lora.init_from=peft:DIR), or accept" in refusal(
+        changes, "/run/checkpoints/2", adapters=True
+    )
+
+
 def test_a_mixture_entry_more_or_less_and_keys_older_checkpoints_lack():
     saved = {"data.mixture[0].name": "a", "data.mixture[0].weight": 1.0}
     now = {**saved, "data.mixture[1].name": "b", "data.mixture[1].weight": 1.0, "data.verify": 1}

@@ -319,6 +319,10 @@ def test_record_errors_word_for_word(encoders):
     assert _error(encode, ["x"]) == (
         "a chat record needs 'messages', or 'prompt' and 'completion'; this one is a list"
     )
+    assert _error(encode, {"messages": [USER, ASSISTANT], "prompt": "x", "completion": "y"}) == (
+        "a chat record has 'messages' and 'prompt' and 'completion', so which one to train on is "
+        "ambiguous; keep 'messages' or 'prompt' and 'completion', not both"
+    )
     assert _error(encode, {"messages": []}) == (
         "'messages' must be a non-empty list of messages {role, content}, not an empty list"
     )

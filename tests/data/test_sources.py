@@ -215,7 +215,9 @@ def test_missing_and_non_string_text_key(tmp_path):
 
 def test_parquet_nulls_missing_column_and_corrupt_file(tmp_path):
     path = write_parquet(tmp_path / "a.parquet", ["a", None, "c"])
-    assert one_line_error(path).startswith(f"{path} row 1: 'text' is null; fill it, or set data.")
+    assert one_line_error(path).startswith(
+        f"{path} row 1 (from 0): 'text' is null; fill it, or set data."
+    )
     docs, bad = read(path, "skip")
     assert docs == [(0, "a"), (2, "c")] and bad.counts == {"missing_text_key": 1}
     path = write_parquet(tmp_path / "b.parquet", ["a"], name="body")
@@ -237,6 +239,24 @@ def test_undecodable_text_names_the_line(tmp_path):
     assert message.startswith(f"{path}:3: not UTF-8 text (byte 0xe9); convert the file to UTF-8")
     docs, bad = read(path, "skip")
     assert docs == [] and bad.counts == {"undecodable_bytes": 1}
+
+
+def test_a_lone_surrogate_is_a_bad_record_named_by_line_and_field(tmp_path):
+    # A surrogate pair is one character (😀); a lone half is no text any tokenizer encodes.
+    lines = ['{"text": "ok \\ud83d\\ude00"}', '{"text": "bad \\ud800"}', '{"text": "z"}']
+    path = write_jsonl(tmp_path / "a.jsonl", lines)
+    assert one_line_error(path) == (
+        f"{path}:2: text holds a lone surrogate (a \\uD800-\\uDFFF escape without its pair), "
+        "which is no Unicode text; fix the line, or set data.on_bad_record=skip (prepare: "
+        "--on-bad-record skip) to skip it"
+    )
+    docs, bad = read(path, "skip")
+    assert docs == [(1, "ok \U0001f600"), (3, "z")] and bad.counts == {"lone_surrogate": 1}
+    chat = [
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\\uDC00"}]}'
+    ]
+    path = write_jsonl(tmp_path / "chat.jsonl", chat)
+    assert one_line_error(path).startswith(f"{path}:1: messages[1].content holds a lone surrogate")
 
 
 def test_bad_on_bad_record_value(tmp_path):

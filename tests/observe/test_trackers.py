@@ -97,7 +97,13 @@ def offline_trackers(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_MODE", "offline")
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
-    for name in ("WANDB_PROJECT", "WANDB_ENTITY", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+    for name in (
+        "WANDB_PROJECT",
+        "WANDB_ENTITY",
+        "WANDB_DIR",
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_EXPERIMENT_NAME",
+    ):
         monkeypatch.delenv(name, raising=False)
     yield
     wandb.teardown()  # W&B's service process ends with this test

@@ -13,3 +13,11 @@ def test_the_project_is_the_key_else_wandbs_variable_else_meshtrain():
     )
     assert wandb_tracker.project_name(WandbConfig(), {"WANDB_PROJECT": "env"}) == "env"
     assert wandb_tracker.project_name(WandbConfig(), {}) == "meshtrain"
+
+
+def test_the_run_files_go_under_wandb_dir_when_the_user_set_it(tmp_path):
+    run_dir = tmp_path / "run"
+    assert wandb_tracker.run_files_dir(run_dir, {}) == str(run_dir)
+    assert wandb_tracker.run_files_dir(run_dir, {"WANDB_DIR": "/scratch/wandb"}) == (
+        "/scratch/wandb"
+    )

@@ -97,6 +97,15 @@ def test_too_large_a_mesh_on_a_cpu_says_how_to_fake_devices(platform, hint):
     )
 
 
+def test_a_loaded_models_mesh_names_no_training_key():
+    # meshtrain-eval and meshtrain-generate have no plan.fake_devices: only XLA's flag.
+    with pytest.raises(ConfigError) as err:
+        parse_mesh_shape([[16, 1], ["fsdp", "tp"]], 8, platform="cpu", training=False)
+    assert str(err.value).endswith(
+        "; on a CPU, fake 16 devices with XLA_FLAGS=--xla_force_host_platform_device_count=16"
+    )
+
+
 def test_too_small_a_mesh_on_a_cpu_needs_no_faked_devices():
     with pytest.raises(ConfigError) as err:
         parse_mesh_shape([[3, 1], ["fsdp", "tp"]], 8, platform="cpu")

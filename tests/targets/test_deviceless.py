@@ -45,6 +45,21 @@ def test_topologies_fill_nodes_of_eight():
         mesh_device_count([[-1, 2], ["fsdp", "tp"]], "h100")
 
 
+def test_without_the_cuda_plugin_a_target_is_one_line(monkeypatch):
+    import importlib.util
+
+    def no_plugins(name, *args):  # no GPU plugin at all: not even the jax_plugins package
+        raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
+
+    monkeypatch.setattr(importlib.util, "find_spec", no_plugins)
+    with pytest.raises(ConfigError) as err:
+        target_devices(gpu_spec("h100"), 8)
+    assert str(err.value) == (
+        "plan.target=h100 compiles with JAX's CUDA plugin, which is not installed: pip install -e "
+        "'.[gpu-compile]' (JAX's CUDA plugin and its NVIDIA libraries)"
+    )
+
+
 @pytest.mark.slow
 def test_inside_a_gpu_mesh_the_target_is_the_gpu_not_this_host():
     devices = target_devices(gpu_spec("h100"), 16)

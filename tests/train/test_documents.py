@@ -10,9 +10,10 @@ import pytest
 from flax import nnx
 from helpers.config import compose_config
 
+from meshtrain.data.flags import DOCUMENT_START, NOT_TRAINED
 from meshtrain.data.tokenizer import NO_TOKEN
 from meshtrain.models.transformer import Transformer
-from meshtrain.train.documents import DocumentBoundaries, document_boundaries
+from meshtrain.train.documents import DocumentBoundaries, TokenFormat, document_boundaries
 
 BOS, EOS, PAD = 257, 258, 256
 
@@ -38,6 +39,28 @@ def test_boundaries_come_from_the_tokenizer_and_stop_where_masking_is_off():
     assert document_boundaries(data) == DocumentBoundaries(bos_id=BOS, eos_id=EOS)
     assert document_boundaries(dataclasses.replace(data, document_masking=False)) is None
     assert document_boundaries(compose_config("data=synthetic").data) is None
+
+
+def test_no_target_is_trained_across_a_packed_conversations_start():
+    # Two conversations trained whole (data.train_on=all), then padding: the second one's first
+    # token (12) is the target of the first one's last input (11) and carries no loss.
+    ids = np.asarray([[1, 10, 11, 2, 12, 13, 0, 0]])
+    marks = np.zeros_like(ids)
+    marks[0, [0, 3]] |= DOCUMENT_START
+    marks[0, 6:] |= NOT_TRAINED
+    tokens = jnp.asarray(ids | marks, dtype=jnp.int32)
+    boundaries = DocumentBoundaries(bos_id=NO_TOKEN, eos_id=EOS)
+    inputs, targets, mask, segment_ids, positions = TokenFormat(
+        documents=boundaries, flagged=True
+    ).read(tokens)
+    np.testing.assert_array_equal(inputs, [[1, 10, 11, 2, 12, 13, 0]])
+    np.testing.assert_array_equal(targets, [[10, 11, 2, 12, 13, 0, 0]])
+    np.testing.assert_array_equal(mask, [[1, 1, 0, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(segment_ids, [[1, 1, 1, 2, 2, 2, 2]])
+    np.testing.assert_array_equal(positions, [[0, 1, 2, 0, 1, 2, 3]])
+    # Without document masking the conversations see each other, and the target is trained.
+    _, _, mask, _, _ = TokenFormat(flagged=True).read(tokens)
+    np.testing.assert_array_equal(mask, [[1, 1, 1, 1, 1, 0, 0]])
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from meshtrain.models.initialization import initial_params
 from meshtrain.models.lora import join_adapters, merge_adapters, split_adapters
 from meshtrain.parallel.mesh import build_mesh, parse_mesh_shape
 from meshtrain.train.optimizer import build_optimizer
-from meshtrain.train.setup import prepare
+from meshtrain.train.setup import describe, prepare
 
 RUN = (
     "data=synthetic",
@@ -191,6 +191,16 @@ def test_the_optimizer_and_the_checkpoints_hold_the_adapters_only(tmp_path):
             "the input size 128 (axis 0 of a weight of shape (128, 8, 16)); use 16 or 32",
         ),
         (
+            ("model.lora.rank=100000",),
+            "model.lora.rank=100000 exceeds projection q's smaller side (128), where an adapter "
+            "of rank 128 already spans every update; set model.lora.rank <= 128 (e.g. 16)",
+        ),
+        (
+            ("model.lora.rank=4", "model.lora.quant_block=32"),
+            "model.lora.quant_block=32 set but model.lora.base_dtype=compute quantises nothing; "
+            "set model.lora.base_dtype=nf4 (or int8), or drop model.lora.quant_block",
+        ),
+        (
             ("model.lora.rank=4", "model.lora.base_dtype=nf4", "model.lora.quant_block=7"),
             "model.lora.base_dtype=nf4, projection k: model.lora.quant_block=7 is odd, and nf4 "
             "packs two 4-bit codes per byte within a block; use 8 or 4",
@@ -203,6 +213,24 @@ def test_bad_lora_input_is_one_line_before_anything_compiles(overrides, message)
         prepare(cfg, jax.devices()[:1], with_data=False)
     assert str(err.value) == message
     assert f"meshtrain: error: {message}\n" in (REPO / "docs" / "finetuning.md").read_text()
+
+
+def test_adapters_larger_than_half_the_base_are_warned_of(caplog):
+    def warnings(rank):
+        cfg = compose_config("data=synthetic", f"model.lora.rank={rank}")
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            describe(prepare(cfg, jax.devices()[:1], with_data=False))
+        return [r.getMessage() for r in caplog.records if "the adapters hold" in r.getMessage()]
+
+    assert warnings(16) == []
+    # Rank 128 on every projection of the tiny model: 128 · (in + out) per projection, 819,200
+    # in 2 layers, against the base's 639,616 (in · out per projection, embedding and norms).
+    (line,) = warnings(128)
+    assert line == (
+        "the adapters hold 128% as many parameters as the base: LoRA saves little over full "
+        "fine-tuning here; a smaller model.lora.rank (e.g. 16) is what it is for"
+    )
 
 
 def _dropout_history(tmp_path, mesh, devices, *extra):

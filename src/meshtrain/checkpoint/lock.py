@@ -83,9 +83,15 @@ class DirectoryLock:
 
     def acquire(self) -> DirectoryLock:
         """Takes the lock, taking over a stale one; raises ConfigError if another run holds it."""
-        self.directory.mkdir(parents=True, exist_ok=True)
         while True:
-            file = self.path.open("a+", encoding="utf-8")  # created if missing, never truncated
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                file = self.path.open("a+", encoding="utf-8")  # created if missing, never truncated
+            except OSError as err:
+                raise ConfigError(
+                    f"{self.key}={self.directory} is not writable ({err.strerror or err}); "
+                    f"set {self.key}=<a writable directory>"
+                ) from None
             try:
                 fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -117,13 +117,41 @@ def check_lora(model: ModelConfig) -> None:
         lora.quant_block >= 2,
         f"model.lora.quant_block={lora.quant_block} must be at least 2 (e.g. 64)",
     )
+    require(
+        lora.quant_block == LORA_DEFAULTS["quant_block"] or lora.base_dtype in ("int8", "nf4"),
+        f"model.lora.quant_block={lora.quant_block} set but model.lora.base_dtype="
+        f"{lora.base_dtype} quantises nothing; set model.lora.base_dtype=nf4 (or int8), or drop "
+        "model.lora.quant_block",
+    )
     require(bool(lora.targets), "model.lora.targets is empty; name projections, e.g. [q,v]")
-    target_projections(lora.targets)
+    projections = target_projections(lora.targets)
+    smallest = min(projections, key=lambda name: min(adapted_dims(model, name)))
+    limit = min(adapted_dims(model, smallest))
+    require(
+        lora.rank <= limit,
+        f"model.lora.rank={lora.rank} exceeds projection {smallest}'s smaller side ({limit}), "
+        f"where an adapter of rank {limit} already spans every update; set model.lora.rank "
+        f"<= {limit} (e.g. 16)",
+    )
     if lora.init_from is not None:
         require(
             str(lora.init_from).startswith("peft:") and len(str(lora.init_from)) > 5,
             f"model.lora.init_from={lora.init_from!r} must be peft:/path/to/adapter_dir",
         )
+
+
+def adapted_dims(model: ModelConfig, projection: str) -> tuple[int, int]:
+    """(input, output) widths of one projection of a block, as its adapter sees them."""
+    query, key_value = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    return {
+        "q": (model.d_model, query),
+        "k": (model.d_model, key_value),
+        "v": (model.d_model, key_value),
+        "o": (query, model.d_model),
+        "gate": (model.d_model, model.mlp_dim),
+        "up": (model.d_model, model.mlp_dim),
+        "down": (model.mlp_dim, model.d_model),
+    }[projection]
 
 
 LORA_DEFAULTS = {

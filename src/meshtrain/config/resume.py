@@ -224,16 +224,23 @@ def refusal(changes: Sequence[Change], checkpoint: str, *, adapters: bool = Fals
     run's, holding adapters, with `adapters`)."""
     refused = [c for c in changes if c.refused]
     keys = ",".join(dict.fromkeys(_INDEX.sub("", c.key) for c in refused))
-    fresh = (
-        f"start new adapters from these in a new run directory (meshtrain-export {checkpoint} "
-        "DIR --format peft, then model.lora.init_from=peft:DIR)"
-        if adapters
-        else f"start fresh from these weights in a new run directory with "
-        f"checkpoint.load_params={checkpoint}"
-    )
+    # Adapters of another rank or on other projections cannot start from these ones.
+    reshaped = any(c.key in ("model.lora.rank", "model.lora.targets") for c in refused)
+    if adapters and reshaped:
+        fresh = ""
+    elif adapters:
+        fresh = (
+            f" start new adapters from these in a new run directory (meshtrain-export "
+            f"{checkpoint} DIR --format peft, then model.lora.init_from=peft:DIR),"
+        )
+    else:
+        fresh = (
+            f" start fresh from these weights in a new run directory with "
+            f"checkpoint.load_params={checkpoint},"
+        )
     return (
         f"checkpoint {checkpoint} cannot be continued with this config: "
         f"{'; '.join(map(str, refused))}; put the old value back, start a new run directory "
-        f"(hydra.run.dir=...), {fresh}, or accept the change on purpose with "
+        f"(hydra.run.dir=...),{fresh} or accept the change on purpose with "
         f"checkpoint.allow_changes=[{keys}]"
     )

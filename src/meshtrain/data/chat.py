@@ -163,6 +163,13 @@ class ChatEncoder:
         """The ids and trained mask of a record: `messages`, or `prompt` and `completion`."""
         messages_key, prompt_key, completion_key = self.keys
         if isinstance(record, Mapping) and messages_key in record:
+            both = [key for key in (prompt_key, completion_key) if key in record]
+            if both:
+                raise DataError(
+                    f"a chat record has {messages_key!r} and {' and '.join(map(repr, both))}, so "
+                    f"which one to train on is ambiguous; keep {messages_key!r} or "
+                    f"{prompt_key!r} and {completion_key!r}, not both"
+                )
             return self.encode_messages(record[messages_key], train_on=self.train_on or "assistant")
         if isinstance(record, Mapping) and prompt_key in record and completion_key in record:
             train_on = self.train_on or "completion"

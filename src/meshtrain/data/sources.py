@@ -8,6 +8,7 @@ import glob as globbing
 import gzip
 import json
 import os
+import re
 import sysconfig
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +29,7 @@ BAD_RECORD_KINDS = (
     "missing_text_key",
     "non_string_text",
     "undecodable_bytes",
+    "lone_surrogate",
     "unreadable_parquet",
     "bad_chat_record",
 )
@@ -204,7 +206,33 @@ def _record(line: bytes, where: str, on_bad_record: str, bad: BadRecords) -> dic
         message = f"{where}: a JSON {type(record).__name__} where one object per line is expected; "
         _fault("invalid_json", message + _SKIP_HINT, on_bad_record, bad)
         return None
+    if _SURROGATE_ESCAPE.search(line) and (at := _lone_surrogate(record)):
+        message = (
+            f"{where}: {at} holds a lone surrogate (a \\uD800-\\uDFFF escape without its pair), "
+            "which is no Unicode text; fix the line, or "
+        )
+        _fault("lone_surrogate", message + _SKIP_HINT, on_bad_record, bad)
+        return None
     return record
+
+
+# A JSON escape of a UTF-16 surrogate: json.loads joins a pair into one character, and leaves a
+# lone one in the string, which no tokenizer can encode.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value: Any, at: str = "") -> str | None:
+    """Where in a parsed JSON object a string holds a lone surrogate (e.g.
+    `messages[0].content`), or None."""
+    if isinstance(value, str):
+        return at if any("\ud800" <= char <= "\udfff" for char in value) else None
+    if isinstance(value, dict):
+        children = ((f"{at}.{key}" if at else str(key), item) for key, item in value.items())
+    elif isinstance(value, list):
+        children = ((f"{at}[{index}]", item) for index, item in enumerate(value))
+    else:
+        return None
+    return next((found for path, item in children if (found := _lone_surrogate(item, path))), None)
 
 
 def _not_a_string(
@@ -276,7 +304,7 @@ def _read_parquet(path, text_key, on_bad_record, bad, part) -> Iterator[tuple[in
         for group in groups:
             values = file.read_row_group(group, columns=[text_key]).column(0).to_pylist()
             for offset, text in enumerate(values):
-                where = f"{path} row {row + offset}"
+                where = f"{path} row {row + offset} (from 0)"
                 if text is None:
                     message = f"{where}: {text_key!r} is null; fill it, or "
                     _fault("missing_text_key", message + _SKIP_HINT, on_bad_record, bad)
@@ -378,7 +406,7 @@ def _records(
         for group in groups:
             rows = file.read_row_group(group, columns=columns).to_pylist()
             for offset, record in enumerate(rows):
-                yield row + offset, f"{path} row {row + offset}", record
+                yield row + offset, f"{path} row {row + offset} (from 0)", record
             row += len(rows)
     except (pa.ArrowInvalid, OSError) as err:
         message = f"{path}: unreadable parquet file ({_one_line(err)}); re-create or remove it, or "

@@ -142,6 +142,23 @@ def lora_summary(cfg: ModelConfig, model: AbstractModel) -> str:
     )
 
 
+# Adapters with more parameters than this share of the base get a warning at start-up.
+LARGE_ADAPTERS = 0.5
+
+
+def large_adapters_warning(model: AbstractModel) -> str | None:
+    """The start-up warning for adapters larger than LARGE_ADAPTERS of the base, else None."""
+    count = lambda tree: sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))  # noqa: E731
+    adapters = count(model.trainable_params)
+    base = count(model.abstract_params) - adapters
+    if adapters <= LARGE_ADAPTERS * base:
+        return None
+    return (
+        f"the adapters hold {adapters / base:.0%} as many parameters as the base: LoRA saves "
+        "little over full fine-tuning here; a smaller model.lora.rank (e.g. 16) is what it is for"
+    )
+
+
 def _stored_bytes(leaf: Any) -> int:
     if is_quantized(leaf):
         return storage_bytes(leaf.shape, leaf.format, leaf.block, leaf.axis)

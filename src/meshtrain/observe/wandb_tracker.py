@@ -2,8 +2,8 @@
 resolved config, each logged step's metrics at its step, and the run's name.
 
 W&B's own environment applies where logging.wandb leaves a key null: WANDB_PROJECT,
-WANDB_ENTITY, WANDB_MODE (offline: the run is written under <run_dir>/wandb/ and `wandb sync`
-uploads it later), WANDB_API_KEY. A resumed run is a new W&B run of the same name that starts
+WANDB_ENTITY, WANDB_MODE (offline: the run is written under <run_dir>/wandb/, or under
+$WANDB_DIR/wandb/ when the user set it, and `wandb sync` uploads it later), WANDB_API_KEY. A resumed run is a new W&B run of the same name that starts
 at the resumed step.
 """
 
@@ -29,6 +29,13 @@ def project_name(settings: WandbConfig, environ: Mapping[str, str] | None = None
     return settings.project or environ.get("WANDB_PROJECT") or DEFAULT_PROJECT
 
 
+def run_files_dir(run_dir: os.PathLike, environ: Mapping[str, str] | None = None) -> str:
+    """Where W&B writes the run's files: $WANDB_DIR when set (W&B's own rule), else the run
+    directory."""
+    environ = os.environ if environ is None else environ
+    return environ.get("WANDB_DIR") or str(run_dir)
+
+
 class WandbTracker:
     """A W&B run in the run directory; its metrics under the names every tracker uses."""
 
@@ -39,7 +46,7 @@ class WandbTracker:
             name=settings.name or run.name,
             tags=list(settings.tags) or None,
             mode=settings.mode,  # None: $WANDB_MODE, else online
-            dir=str(run.run_dir),
+            dir=run_files_dir(run.run_dir),
             config=run.config,
             reinit="create_new",  # a second run in this process (a sweep) gets its own
             # meshtrain's log is its console (W&B's copy of it would print every line twice),

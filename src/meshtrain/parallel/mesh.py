@@ -64,19 +64,24 @@ def _suggestions(num_devices: int, names: Sequence[str]) -> str:
     return " or ".join(shapes) + f", or -1 for one size (e.g. {minus_one})"
 
 
-def _fake_devices_hint(used: int, num_devices: int, platform: str | None) -> str:
-    """How to fake the CPU devices a mesh needs, for an error about too few of them; else ""."""
+def _fake_devices_hint(used: int, num_devices: int, platform: str | None, training: bool) -> str:
+    """How to fake the CPU devices a mesh needs, for an error about too few of them; else ""
+    (plan.fake_devices is a training key: a loaded model's command has only XLA's flag)."""
     if platform != "cpu" or used <= num_devices:
         return ""
+    key = f" or plan.fake_devices={used}" if training else ""
     return (
         f"; on a CPU, fake {used} devices with "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count={used} or plan.fake_devices={used}"
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={used}{key}"
     )
 
 
-def parse_mesh_shape(mesh_shape: Any, num_devices: int, platform: str | None = None) -> MeshSpec:
+def parse_mesh_shape(
+    mesh_shape: Any, num_devices: int, platform: str | None = None, *, training: bool = True
+) -> MeshSpec:
     """Validates `model.mesh_shape` ([[sizes], [names]]) against the visible device count;
-    `platform` (the devices' jax platform, "cpu") adds how to fake CPU devices to the error."""
+    `platform` (the devices' jax platform, "cpu") adds how to fake CPU devices to the error,
+    with plan.fake_devices for a training run (`training`)."""
     if (
         not isinstance(mesh_shape, Sequence)
         or isinstance(mesh_shape, str)
@@ -125,7 +130,7 @@ def parse_mesh_shape(mesh_shape: Any, num_devices: int, platform: str | None = N
             f"model.mesh_shape {shown} uses {_devices(used)} but {num_devices} "
             f"{'is' if num_devices == 1 else 'are'} visible; "
             f"use {_suggestions(num_devices, names)}"
-            f"{_fake_devices_hint(used, num_devices, platform)}"
+            f"{_fake_devices_hint(used, num_devices, platform, training)}"
         )
     given = dict(zip(names, sizes, strict=True))
     return MeshSpec({axis: given.get(axis, 1) for axis in MESH_AXES})
@@ -201,5 +206,5 @@ def resolve_mesh(mesh: Mesh | Any | None) -> tuple[Mesh, MeshSpec]:
             )
         return mesh, MeshSpec({axis: mesh.shape[axis] for axis in MESH_AXES})
     devices = jax.devices()
-    spec = parse_mesh_shape(mesh, len(devices), platform=devices[0].platform)
+    spec = parse_mesh_shape(mesh, len(devices), platform=devices[0].platform, training=False)
     return build_mesh(spec), spec

@@ -48,10 +48,19 @@ def topology_name(count: int, target: str) -> str:
     return f"1x{count // GPUS_PER_NODE}x{GPUS_PER_NODE}"
 
 
+def cuda_plugin_installed() -> bool:
+    """Whether JAX's CUDA 12 plugin is importable (find_spec raises, not answers None, when no
+    plugin at all put the jax_plugins package there)."""
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def target_devices(spec: GpuSpec, count: int) -> Sequence[jax.Device]:
     """`count` devices of GPU `spec`, in nodes of up to GPUS_PER_NODE, for compiling only."""
     version = cudnn_version()
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None or version is None:
+    if not cuda_plugin_installed() or version is None:
         raise ConfigError(
             f"plan.target={spec.name} compiles with JAX's CUDA plugin, which is not installed: "
             f"{INSTALL_HINT}"

@@ -5,7 +5,8 @@ Text: packing (meshtrain.data.packing) lays documents out as `[bos] doc [eos]` b
 stream cut into sequences, so a document starts at each bos token, or, for a tokenizer without
 bos (Qwen), right after each eos; every target but padding carries loss. Chat data
 (data.source=chat): the ids carry marks in their high bits (meshtrain.data.flags), which say
-which targets are trained and where each packed conversation starts.
+which targets are trained and where each packed conversation starts; with document masking no
+target is trained across a conversation's start.
 
 Either way the step derives this from the tokens on the device: the batch stays one int32
 array, and no masks or segment ids are stored or moved. A document that continues from the
@@ -75,8 +76,12 @@ class TokenFormat:
         mask = ((tokens[:, 1:] & NOT_TRAINED) == 0).astype(jnp.float32)
         if self.documents is None:
             return ids[:, :-1], ids[:, 1:], mask, None, None
-        starts = (tokens[:, :-1] & DOCUMENT_START) != 0
-        return ids[:, :-1], ids[:, 1:], mask, *segments_from_starts(starts)
+        starts = (tokens & DOCUMENT_START) != 0  # [B, seq_len + 1]
+        # No target across a boundary: a conversation's first token is not predicted from the
+        # one packed before it (data.train_on=all would train it), as trl's padding-free
+        # collator masks it.
+        mask = mask * (~starts[:, 1:]).astype(jnp.float32)
+        return ids[:, :-1], ids[:, 1:], mask, *segments_from_starts(starts[:, :-1])
 
 
 def document_boundaries(data: DataConfig) -> DocumentBoundaries | None:

@@ -26,7 +26,7 @@ from meshtrain.config.validate import check_against_mesh, check_config, micro_ba
 from meshtrain.data import MixedDataset, TokenDataset, build_datasets
 from meshtrain.distributed.runtime import process_hosts
 from meshtrain.errors import ConfigError
-from meshtrain.inference.lora_base import lora_summary
+from meshtrain.inference.lora_base import large_adapters_warning, lora_summary
 from meshtrain.models.abstract import (
     AbstractModel,
     abstract_model,
@@ -240,6 +240,8 @@ def describe(setup: Setup) -> None:
     log.info("model %s: %s parameters", cfg.model.name, f"{num_params:,}")
     if setup.model.lora:
         log.info(lora_summary(cfg.model, setup.model))
+        if warning := large_adapters_warning(setup.model):
+            log.warning(warning)
     if setup.pipeline is not None:
         log.info(setup.pipeline.describe())
         log.info(
@@ -347,9 +349,7 @@ def inspect_compiled(
         ).shards,
         pipeline=None if setup.pipeline is None else setup.pipeline.to_json(),
         full_model=(
-            (setup.model.abstract_params, setup.model.param_shardings)
-            if setup.model.lora
-            else None
+            (setup.model.abstract_params, setup.model.param_shardings) if setup.model.lora else None
         ),
         base_dtype=cfg.model.lora.base_dtype,
         context=context_plan(setup),
