@@ -32,7 +32,12 @@ def test_core_and_test_dependencies_need_no_torch_or_gpu_libraries():
     test = PROJECT["optional-dependencies"]["test"]
     assert [r for r in core + test if heavy(r)] == []
     assert {Requirement(r).name for r in core} >= {"jax", "flax", "hydra-core", "rich"}
-    assert {Requirement(r).name for r in test} == {"pytest", "ruff", "hydra-submitit-launcher"}
+    assert {Requirement(r).name for r in test} == {
+        "pytest",
+        "pytest-xdist",
+        "ruff",
+        "hydra-submitit-launcher",
+    }
 
 
 def test_torch_and_transformers_are_only_in_the_parity_extra():

@@ -125,7 +125,7 @@ def test_readme_quick_start() -> None:
     assert len(blocks) == 2 and len(commands) == 2, commands
     train, test = commands
     assert "pip install -e ." in train and train.endswith(ENTRY)
-    assert "pip install -e '.[test]'" in test and test.endswith("python -m pytest -q")
+    assert "pip install -e '.[test]'" in test and test.endswith("python -m pytest -q -n 2")
 
 
 def test_ci_runs_the_readme_commands_as_written() -> None:

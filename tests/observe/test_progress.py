@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshtrain.observe.progress import ProgressBar, phase
+from meshtrain.observe.progress import POLL_S, ProgressBar, phase
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[a-zA-Z]")
 
@@ -87,14 +87,9 @@ def test_log_lines_go_whole_above_the_bar():
     assert frames[-1].startswith("step 4/4") and "loss=1.0000" in frames[-1]
 
 
-# The bar's documented cost is about 0.7% of one core over the default run (README.md; measured
-# again by scripts/check_claims.py). 5% is well above that and its noise, and well below what a
-# regression costs: a thread that polled without sleeping, or redrew every step, takes tens of %.
-CPU_PERCENT_BOUND = 5.0
-
-
-def test_the_bar_thread_costs_under_5_percent_of_one_core():
-    """A second of steps finishing every 10 ms, as a fast loop hands them over."""
+def _fast_loop() -> tuple[ProgressBar, _Terminal, float]:
+    """A second of steps finishing every 10 ms, as a fast loop hands them over: (the closed
+    bar, its terminal, the wall seconds around it)."""
     losses = [jnp.float32(4.0 - i / 100) for i in range(100)]  # made first: not the bar's time
     terminal = _Terminal()
     start = time.perf_counter()
@@ -103,14 +98,34 @@ def test_the_bar_thread_costs_under_5_percent_of_one_core():
         bar.dispatched(step, loss)
         time.sleep(0.01)
     bar.close()
-    outside = time.perf_counter() - start
+    return bar, terminal, time.perf_counter() - start
+
+
+def test_the_bar_redraws_at_its_pace_not_at_every_step():
+    """What keeps the bar cheap, checked without a clock's noise: it looks for finished steps
+    every POLL_S (0.2 s), so a second of 100 steps is drawn a handful of times, not 100 (a
+    thread that redrew every step, or polled without sleeping, would draw far more)."""
+    bar, terminal, outside = _fast_loop()
     assert 1.0 <= bar.wall_s <= outside
     assert 0.0 < bar.thread_cpu_s < bar.wall_s
     assert bar.cpu_percent == 100 * bar.thread_cpu_s / bar.wall_s
-    assert bar.cpu_percent < CPU_PERCENT_BOUND, f"{bar.cpu_percent:.2f}% of one core"
     frames = [frame for frame in terminal.frames() if frame.startswith("step ")]
+    assert 2 <= len(frames) <= outside / POLL_S + 2, len(frames)
     assert frames[-1].startswith("step 100/100") and "loss=3.0100" in frames[-1]
     assert any(not frame.startswith("step 100/") for frame in frames)  # it moved on the way
+
+
+# The bar's documented cost is about 0.7% of one core over the default run (README.md; measured
+# again by scripts/check_claims.py). 5% is well above that and its noise on a quiet machine, and
+# well below what a regression costs. A measurement: a loaded machine can fail it, so it runs
+# with the benchmarks (-m bench), not in the suite.
+CPU_PERCENT_BOUND = 5.0
+
+
+@pytest.mark.bench
+def test_the_bar_thread_costs_under_5_percent_of_one_core():
+    bar, _, _ = _fast_loop()
+    assert bar.cpu_percent < CPU_PERCENT_BOUND, f"{bar.cpu_percent:.2f}% of one core"
 
 
 def test_phase_announces_its_start_and_time(caplog: pytest.LogCaptureFixture):

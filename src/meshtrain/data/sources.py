@@ -8,7 +8,6 @@ import glob as globbing
 import gzip
 import json
 import os
-import re
 import sysconfig
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -20,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from meshtrain.data.parts import Part
+from meshtrain.data.unicode import lone_surrogate
 from meshtrain.errors import DataError
 
 FORMATS = ("jsonl", "jsonl.gz", "parquet", "text")
@@ -206,7 +206,7 @@ def _record(line: bytes, where: str, on_bad_record: str, bad: BadRecords) -> dic
         message = f"{where}: a JSON {type(record).__name__} where one object per line is expected; "
         _fault("invalid_json", message + _SKIP_HINT, on_bad_record, bad)
         return None
-    if _SURROGATE_ESCAPE.search(line) and (at := _lone_surrogate(record)):
+    if at := lone_surrogate(line, record):
         message = (
             f"{where}: {at} holds a lone surrogate (a \\uD800-\\uDFFF escape without its pair), "
             "which is no Unicode text; fix the line, or "
@@ -214,25 +214,6 @@ def _record(line: bytes, where: str, on_bad_record: str, bad: BadRecords) -> dic
         _fault("lone_surrogate", message + _SKIP_HINT, on_bad_record, bad)
         return None
     return record
-
-
-# A JSON escape of a UTF-16 surrogate: json.loads joins a pair into one character, and leaves a
-# lone one in the string, which no tokenizer can encode.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _lone_surrogate(value: Any, at: str = "") -> str | None:
-    """Where in a parsed JSON object a string holds a lone surrogate (e.g.
-    `messages[0].content`), or None."""
-    if isinstance(value, str):
-        return at if any("\ud800" <= char <= "\udfff" for char in value) else None
-    if isinstance(value, dict):
-        children = ((f"{at}.{key}" if at else str(key), item) for key, item in value.items())
-    elif isinstance(value, list):
-        children = ((f"{at}[{index}]", item) for index, item in enumerate(value))
-    else:
-        return None
-    return next((found for path, item in children if (found := _lone_surrogate(item, path))), None)
 
 
 def _not_a_string(
