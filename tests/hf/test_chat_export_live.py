@@ -61,3 +61,12 @@ def test_a_chat_fine_tune_exports_to_transformers_with_its_logits_and_answers(tm
     expected = tokenizer.decode(answer, skip_special_tokens=True)
     assert generate_chat(load_model(tmp_path / "hf"), encoder, QUESTION, 8) == expected
     assert expected.strip().isdigit()  # after 60 steps it answers with a number
+    # Told nothing about stops, transformers reads them from generation_config.json, which lists
+    # <end_of_turn> beside eos: it stops where meshtrain's --chat stops.
+    assert reloaded.generation_config.eos_token_id == list(prompt.stop_ids)
+    with torch.no_grad():
+        plain = reloaded.generate(
+            torch.tensor([prompt.ids.tolist()]), do_sample=False, max_new_tokens=32
+        )[0, len(prompt.ids) :]
+    assert int(plain[-1]) in prompt.stop_ids and len(plain) < 32
+    assert tokenizer.decode(plain, skip_special_tokens=True) == expected

@@ -69,7 +69,7 @@ def test_merged_and_peft_exports_give_meshtrains_lora_logits(family, tmp_path, t
 
 
 def test_a_qlora_merge_holds_the_dequantised_base(tmp_path, torch_libraries):
-    _, result = _lora_run(
+    base, result = _lora_run(
         "llama", tmp_path, "model.lora.base_dtype=int8", "model.lora.quant_block=16"
     )
     ours = np.asarray(meshtrain.load_checkpoint(tmp_path / "run")(TOKENS))
@@ -77,3 +77,14 @@ def test_a_qlora_merge_holds_the_dequantised_base(tmp_path, torch_libraries):
     merged = torch_libraries.logits(torch_libraries.load(tmp_path / "merged"), TOKENS)
     assert relative_error(ours, merged) <= 1e-5
     assert jax.tree.leaves(result.state.frozen)  # (the run held a quantised base)
+    # The adapters alone, on the full-precision base peft loads them on, are another model:
+    # the export says so (its README and the log) and names the merged export.
+    import peft
+
+    export(tmp_path / "run", tmp_path / "adapter", "peft")
+    note = (tmp_path / "adapter" / "README.md").read_text()
+    assert "trained on the base quantised to int8 (blocks of 16)" in note and "--merge" in note
+    with_adapter = peft.PeftModel.from_pretrained(
+        torch_libraries.load(base), tmp_path / "adapter"
+    ).eval()
+    assert relative_error(ours, torch_libraries.logits(with_adapter, TOKENS)) > 1e-5

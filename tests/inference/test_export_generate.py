@@ -76,6 +76,14 @@ def test_a_run_whose_tokenizer_moved_falls_back_to_the_exports_copy(run_dir, exp
     message = str(raised.value)
     assert "was trained with data.tokenizer='moved/tokenizer.json', which is not found" in message
     assert "--tokenizer byte" in message and "\n" not in message
+    # meshtrain-eval has no --tokenizer: its model_args name it.
+    with pytest.raises(ConfigError) as raised:
+        load_tokenizer(run_dir, option="--model_args tokenizer=")
+    assert str(raised.value).endswith(
+        "pass the tokenizer the model was trained with: --model_args tokenizer=byte, "
+        "--model_args tokenizer=PATH/tokenizer.json (or .model), or --model_args "
+        "tokenizer=DIRECTORY holding one"
+    )
 
 
 def test_a_directory_without_a_tokenizer_asks_for_one(exports, tmp_path, capsys):

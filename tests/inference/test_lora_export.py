@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 import meshtrain
 from meshtrain.checkpoint import named_leaves, read_params
 from meshtrain.errors import ConfigError
-from meshtrain.hf.peft import check_peft, load_peft
+from meshtrain.hf.peft import check_peft, load_peft, quantised_base_note
 from meshtrain.inference.export import ExportError, export
 from meshtrain.inference.load import load_safetensors_export
 from meshtrain.train.setup import prepare
@@ -83,6 +83,18 @@ def test_the_peft_export_reads_back_bit_for_bit(lora_run):
     assert loaded.keys() == saved.keys()
     for name, value in saved.items():
         np.testing.assert_array_equal(loaded[name], value, err_msg=name)
+
+
+def test_a_peft_export_of_qlora_adapters_says_they_fit_the_quantised_base(lora_run):
+    assert not (lora_run / "adapter" / "README.md").exists()  # a full-precision base: nothing
+    assert quantised_base_note(_config(lora_run).model) is None
+    cfg = _config(lora_run, "model.lora.base_dtype=nf4", "model.lora.quant_block=16")
+    assert quantised_base_note(cfg.model) == (
+        "these adapters were trained on the base quantised to nf4 (blocks of 16): on the "
+        "full-precision base, as peft loads them by default, the model computes other logits; "
+        "for meshtrain's numbers export with --merge (the base dequantised as the run computed "
+        "it, plus the adapters), or load the base quantised the same way"
+    )
 
 
 def test_the_merged_export_holds_each_weight_plus_its_adapter(lora_run):

@@ -15,6 +15,7 @@ from helpers.runs import train_tiny
 
 from meshtrain.data import BatchIterator, build_dataset
 from meshtrain.errors import ConfigError
+from meshtrain.inference.lora_base import lora_summary
 from meshtrain.models.abstract import abstract_model, merge_model
 from meshtrain.models.initialization import initial_params
 from meshtrain.models.lora import join_adapters, merge_adapters, split_adapters
@@ -213,6 +214,17 @@ def test_bad_lora_input_is_one_line_before_anything_compiles(overrides, message)
         prepare(cfg, jax.devices()[:1], with_data=False)
     assert str(err.value) == message
     assert f"meshtrain: error: {message}\n" in (REPO / "docs" / "finetuning.md").read_text()
+
+
+def test_a_pattern_string_selects_the_projections_a_list_does():
+    # The docs' form (model.lora.targets='q|v') as well as a list.
+    lines = []
+    for targets in ("'q|v'", "[q,v]", "[q_proj,v_proj]"):
+        cfg = compose_config("data=synthetic", "model.lora.rank=4", f"model.lora.targets={targets}")
+        setup = prepare(cfg, jax.devices()[:1], with_data=False)
+        lines.append(lora_summary(cfg.model, setup.model))
+    assert lines[0] == lines[1] == lines[2]
+    assert lines[0].startswith("LoRA: rank 4, alpha 16 on q, v: 5,120 trainable parameters")
 
 
 def test_adapters_larger_than_half_the_base_are_warned_of(caplog):

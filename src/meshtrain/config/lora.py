@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from meshtrain.errors import ConfigError, did_you_mean, require
 
@@ -42,8 +42,8 @@ class LoraConfig:
     """An adapter adds alpha / rank · x·A·B to its projection's output (PEFT's lora_alpha)."""
     dropout: float = 0.0
     """Dropout on an adapter's input during training (PEFT's lora_dropout); 0: none."""
-    targets: list[str] = field(default_factory=lambda: list(PROJECTIONS))
-    """Projections that get adapters: names among q, k, v, o, gate, up, down, or regular expressions over them (e.g. "q|v")."""
+    targets: Any = field(default_factory=lambda: list(PROJECTIONS))  # list[str] | str
+    """Projections that get adapters: a list of names among q, k, v, o, gate, up, down or regular expressions over them (e.g. [q,v]), or one such pattern (e.g. 'q|v')."""
     base_dtype: str = "compute"  # BaseDtype
     """Storage of the frozen base: compute (training.mixed_precision's dtype), bf16, or QLoRA's int8 / nf4 (block-quantised projections, dequantised per layer in the step)."""
     quant_block: int = 64
@@ -56,12 +56,12 @@ def lora_enabled(model: ModelConfig) -> bool:
     return model.lora.rank > 0
 
 
-def target_projections(targets: list[str]) -> tuple[str, ...]:
-    """The projections `targets` (names or patterns) select, in block order; ConfigError for an
-    entry that selects none."""
+def target_projections(targets: list[str] | str) -> tuple[str, ...]:
+    """The projections `targets` (names or patterns, or one pattern) select, in block order;
+    ConfigError for an entry that selects none."""
     selected: set[str] = set()
     hf_names = {hf: name for name, (_, hf) in PROJECTIONS.items()}
-    for entry in targets:
+    for entry in [targets] if isinstance(targets, str) else targets:
         entry = str(entry).strip()
         if entry in PROJECTIONS:
             selected.add(entry)

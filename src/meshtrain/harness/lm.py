@@ -258,7 +258,7 @@ class MeshtrainLM(TemplateLM):
 def _tokenizer(name: str | None, directory: Path) -> Tokenizer:
     """The tokenizer model_args names, else the checkpoint's (inference.load.load_tokenizer)."""
     if name is None:
-        return load_tokenizer(directory)
+        return load_tokenizer(directory, option="--model_args tokenizer=")
     try:
         return build_tokenizer(name)
     except ValueError as err:

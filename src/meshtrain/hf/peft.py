@@ -16,6 +16,7 @@ gives with the adapters (tests/hf/test_peft_live.py).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -30,6 +31,8 @@ from meshtrain.hf.load import read_params, unstacked_shapes
 from meshtrain.hf.safetensors_io import CheckpointReader, write_safetensors
 from meshtrain.hf.save import gather, locate
 from meshtrain.hf.tensor_map import HEADS_IN, HEADS_OUT, TRANSPOSE, Layout, ParamPath
+
+log = logging.getLogger(__name__)
 
 PEFT_SCHEME = "peft:"
 CONFIG_FILE = "adapter_config.json"
@@ -83,6 +86,22 @@ def adapter_config(cfg: ModelConfig, base_model: str | None) -> dict[str, Any]:
     }
 
 
+def quantised_base_note(cfg: ModelConfig) -> str | None:
+    """What a PEFT export of adapters trained on a quantised base (QLoRA) must say: they fit the
+    base as the run dequantised it, not the full-precision base peft loads them on by default.
+    None for adapters trained on an unquantised base."""
+    stored = cfg.lora.base_dtype
+    if stored not in ("int8", "nf4"):
+        return None
+    return (
+        f"these adapters were trained on the base quantised to {stored} (blocks of "
+        f"{cfg.lora.quant_block}): on the full-precision base, as peft loads them by default, "
+        "the model computes other logits; for meshtrain's numbers export with --merge (the base "
+        "dequantised as the run computed it, plus the adapters), or load the base quantised the "
+        "same way"
+    )
+
+
 def export_peft(
     params: Any, cfg: ModelConfig, out_dir: str | os.PathLike, base_model: str | None = None
 ) -> Path:
@@ -116,6 +135,9 @@ def export_peft(
     write_safetensors(partial / WEIGHTS_FILE, entries, "float32", produce)
     config = adapter_config(cfg, base_model)
     (partial / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    if note := quantised_base_note(cfg):
+        log.warning(note)
+        (partial / "README.md").write_text(f"# LoRA adapters exported by meshtrain\n\n{note}\n")
     if out.exists():
         out.rmdir()
     partial.rename(out)

@@ -20,7 +20,7 @@ from jax.experimental import multihost_utils
 
 from meshtrain.config import ModelConfig
 from meshtrain.data.tokenizer import Tokenizer, build_tokenizer, save_tokenizer
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, DataError
 from meshtrain.hf.config_json import hf_config_from_model
 from meshtrain.hf.safetensors_io import DTYPES, INDEX_FILE, write_safetensors
 from meshtrain.hf.tensor_map import ParamPath, hf_tensors
@@ -57,6 +57,22 @@ def _files(sizes: list[int], max_shard_bytes: int) -> list[list[int]]:
         files[-1].append(i)
         used += size
     return files
+
+
+def generation_config(special: dict[str, int], directory: Path) -> dict[str, Any]:
+    """generation_config.json's ids: the tokenizer's special ids, and as eos also the tokens
+    that close an assistant turn where the tokenizer in `directory` has a chat template (as
+    published chat checkpoints list them, so that transformers' generate stops at the end of an
+    answer: `<end_of_turn>`, `<|eot_id|>`, `<|im_end|>`)."""
+    from meshtrain.data.chat import build_chat_encoder  # jinja2: only for an export
+
+    try:
+        stops = build_chat_encoder(str(directory)).stop_ids
+    except (DataError, ValueError):  # no chat template, or no tokenizer.json
+        return dict(special)
+    eos = [special["eos_token_id"]] if "eos_token_id" in special else []
+    ids = list(dict.fromkeys([*eos, *stops]))
+    return {**special, "eos_token_id": ids if len(ids) > 1 else ids[0]} if ids else dict(special)
 
 
 def export_hf(
@@ -127,10 +143,11 @@ def export_hf(
         index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
         (partial / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if special:
-        (partial / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
     if tokenizer is not None:
         save_tokenizer(tokenizer, partial)
+    if special:
+        generation = generation_config(special, partial)
+        (partial / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if out.exists():
         out.rmdir()  # empty, checked above
     partial.rename(out)

@@ -207,10 +207,11 @@ def load_model(
     return load_hf(directory, mesh, dtype=dtype)
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
+def load_tokenizer(path: str | Path, *, option: str = "--tokenizer ") -> Tokenizer:
     """The tokenizer that goes with the model at `path` (as `load_model` reads it): the one a
     meshtrain checkpoint was trained with (its data.tokenizer), else the tokenizer.json or
-    tokenizer.model that an export or a Hugging Face checkpoint carries."""
+    tokenizer.model that an export or a Hugging Face checkpoint carries. `option`: how the
+    calling command is given a tokenizer, for the error without one."""
     directory = Path(path).expanduser()
     recorded = None
     if find_checkpoints(directory):
@@ -229,6 +230,6 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     )
     raise ConfigError(
         f"{directory} {trained_with} no {' or '.join(TOKENIZER_FILES)}; pass the tokenizer the "
-        "model was trained with: --tokenizer byte, --tokenizer PATH/tokenizer.json (or .model), "
-        "or --tokenizer DIRECTORY holding one"
+        f"model was trained with: {option}byte, {option}PATH/tokenizer.json (or .model), "
+        f"or {option}DIRECTORY holding one"
     )
