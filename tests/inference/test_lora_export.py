@@ -97,6 +97,25 @@ def test_a_peft_export_of_qlora_adapters_says_they_fit_the_quantised_base(lora_r
     )
 
 
+def test_generate_and_eval_name_what_runs_instead_of_a_peft_export(lora_run, capsys):
+    from meshtrain.cli.generate import main as generate_main
+    from meshtrain.inference.load import load_model, load_tokenizer
+
+    message = (
+        f"{lora_run / 'adapter'} holds LoRA adapters alone (a PEFT export), not a model; run the "
+        "LoRA run directory they were exported from, or a merged export (python -m "
+        "meshtrain.export RUN_DIR OUT --format hf --merge)"
+    )
+    for load in (load_model, load_tokenizer):  # meshtrain-eval's model reads both
+        with pytest.raises(ConfigError) as err:
+            load(lora_run / "adapter")
+        assert str(err.value) == message
+    with pytest.raises(SystemExit) as exited:
+        generate_main([str(lora_run / "adapter"), "hello"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == f"meshtrain: error: {message}"
+
+
 def test_the_merged_export_holds_each_weight_plus_its_adapter(lora_run):
     saved = named_leaves(read_params(lora_run / "run" / "checkpoints" / "2")[0])
     merged = load_file(lora_run / "merged" / "model.safetensors")

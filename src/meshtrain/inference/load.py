@@ -200,11 +200,23 @@ def load_model(
     """The model at `path`, whichever kind it is: a meshtrain checkpoint (or run directory, or
     orbax export), a safetensors export or a Hugging Face checkpoint directory."""
     directory = Path(path).expanduser()
+    _refuse_adapter_alone(directory)
     if find_checkpoints(directory):
         return load_checkpoint(directory, mesh, dtype=dtype)
     if _safetensors_export_config(directory) is not None:
         return load_safetensors_export(directory, mesh, dtype=dtype)
     return load_hf(directory, mesh, dtype=dtype)
+
+
+def _refuse_adapter_alone(directory: Path) -> None:
+    """ConfigError for a PEFT export (`meshtrain-export --format peft`): adapters without the
+    model they adapt, which generation and evaluation cannot run."""
+    if (directory / "adapter_config.json").is_file() and not find_checkpoints(directory):
+        raise ConfigError(
+            f"{directory} holds LoRA adapters alone (a PEFT export), not a model; run the LoRA "
+            "run directory they were exported from, or a merged export (python -m "
+            "meshtrain.export RUN_DIR OUT --format hf --merge)"
+        )
 
 
 def load_tokenizer(path: str | Path, *, option: str = "--tokenizer ") -> Tokenizer:
@@ -213,6 +225,7 @@ def load_tokenizer(path: str | Path, *, option: str = "--tokenizer ") -> Tokeniz
     tokenizer.model that an export or a Hugging Face checkpoint carries. `option`: how the
     calling command is given a tokenizer, for the error without one."""
     directory = Path(path).expanduser()
+    _refuse_adapter_alone(directory)
     recorded = None
     if find_checkpoints(directory):
         recorded = checkpoint_config(directory)["data"]["tokenizer"]
