@@ -1,5 +1,6 @@
 """The package layout of docs/architecture.md holds: no import cycle between packages (imports
-inside functions included), a handful of top-level modules, no module over 400 lines."""
+inside functions included) nor between modules (as the program runs), a handful of top-level
+modules, no module over 400 lines."""
 
 from __future__ import annotations
 
@@ -25,12 +26,34 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Every meshtrain module `path` imports, at the top or inside a function."""
+def _runtime_nodes(tree: ast.Module, runtime_only: bool) -> list[ast.AST]:
+    """Every node of `tree`; with `runtime_only`, not those under `if TYPE_CHECKING:` (read by
+    type checkers only) or `if __name__ == "__main__":` (run only as a script, when the module
+    is __main__, not itself)."""
+    if not runtime_only:
+        return list(ast.walk(tree))
+
+    def skipped(node: ast.AST) -> bool:
+        if not isinstance(node, ast.If):
+            return False
+        text = ast.unparse(node.test)
+        return text in ("TYPE_CHECKING", "typing.TYPE_CHECKING", "__name__ == '__main__'")
+
+    nodes, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(child for child in ast.iter_child_nodes(node) if not skipped(child))
+    return nodes
+
+
+def imported_modules(path: Path, *, runtime_only: bool = False) -> set[str]:
+    """Every meshtrain module `path` imports, at the top or inside a function (with
+    `runtime_only`, as the program runs: see _runtime_nodes)."""
     module = module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text()), runtime_only):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -95,6 +118,32 @@ def test_lazy_imports_count():
 def test_no_import_cycle_between_packages():
     cycle = find_cycle(unit_graph())
     assert cycle is None, "import cycle between packages: " + " → ".join(cycle)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """module → the meshtrain modules it imports as the program runs."""
+    graph: dict[str, set[str]] = {}
+    for path in SRC.rglob("*.py"):
+        module = module_name(path)
+        imports = imported_modules(path, runtime_only=True) - {module}
+        graph.setdefault(module, set()).update(imports)
+    return graph
+
+
+def test_no_import_cycle_between_modules():
+    """Within a package as well: a package's __init__ counts as a module (importing a name from
+    the package imports it)."""
+    cycle = find_cycle(module_graph())
+    assert cycle is None, "import cycle between modules: " + " → ".join(cycle)
+
+
+def test_type_only_and_script_only_imports_are_no_runtime_edges():
+    graph = module_graph()
+    # config/lora.py names ModelConfig for type checkers only; prepare.py runs the prepare
+    # command under `if __name__ == "__main__":`.
+    assert "meshtrain.config.schema" not in graph["meshtrain.config.lora"]
+    assert "meshtrain.data.prepare_command" not in graph["meshtrain.data.prepare"]
+    assert "meshtrain.data.prepare" in graph["meshtrain.data.prepare_command"]
 
 
 def test_lower_packages_never_import_training_or_the_command_line():

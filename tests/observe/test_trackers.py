@@ -13,8 +13,8 @@ from helpers.runs import SMALL_RUN, train_tiny
 
 from meshtrain.config.trackers import LoggingConfig
 from meshtrain.observe import trackers
+from meshtrain.observe.run_info import RunInfo, flat_config, metric_tag, run_name
 from meshtrain.observe.tensorboard import config_table
-from meshtrain.observe.trackers import RunInfo, flat_config, metric_tag, run_name
 
 
 def test_every_tracker_names_a_metric_as_tensorboard_does():
