@@ -14,9 +14,9 @@ import pytest
 
 from meshtrain.config import DataConfig
 from meshtrain.data import build_dataset
+from meshtrain.data.bad_records import BadRecords
 from meshtrain.data.parts import split_jsonl, split_parquet
 from meshtrain.data.sources import (
-    BadRecords,
     Part,
     document_format,
     list_documents,
@@ -257,6 +257,30 @@ def test_a_lone_surrogate_is_a_bad_record_named_by_line_and_field(tmp_path):
     ]
     path = write_jsonl(tmp_path / "chat.jsonl", chat)
     assert one_line_error(path).startswith(f"{path}:1: messages[1].content holds a lone surrogate")
+
+
+def test_records_only_passes_over_a_directorys_other_files(tmp_path, caplog):
+    # A chat or preference directory with a README beside its records (issue: refused outright).
+    data = tmp_path / "chats"
+    data.mkdir()
+    for name in ("a.jsonl", "b.jsonl.gz", "c.parquet", "README.md", "LICENSE"):
+        (data / name).write_text("")
+    with caplog.at_level("INFO", logger="meshtrain.data.sources"):
+        files, root = resolve_paths([str(data)], records_only=True)
+    assert [f.name for f in files] == ["a.jsonl", "b.jsonl.gz", "c.parquet"] and root == data
+    assert caplog.messages == [
+        f"data.paths: {str(data)!r}: passed over 2 file(s) not of .jsonl, .jsonl.gz or .parquet: "
+        "LICENSE, README.md"
+    ]
+    files, _ = resolve_paths([f"{data}/*"], records_only=True)  # a glob alike
+    assert len(files) == 3
+    # A file named on its own is taken as it is (reading it then says what it should be).
+    files, _ = resolve_paths([str(data / "README.md")], records_only=True)
+    assert [f.name for f in files] == ["README.md"]
+    assert len(resolve_paths([str(data)])[0]) == 5  # documents: every file is one
+    (data / "a.jsonl").unlink(), (data / "b.jsonl.gz").unlink(), (data / "c.parquet").unlink()
+    with pytest.raises(DataError, match=r"directory '.*chats' holds no .jsonl, .jsonl.gz or .parq"):
+        resolve_paths([str(data)], records_only=True)
 
 
 def test_bad_on_bad_record_value(tmp_path):

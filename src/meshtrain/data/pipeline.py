@@ -131,7 +131,7 @@ def _corpora(patterns: Sequence[str], cfg: DataConfig, *, key: str) -> list[Prep
         else:
             others.append(pattern)
     if others:
-        files, root = resolve_paths(others, key=key)
+        files, root = resolve_paths(others, key=key, records_only=cfg.source in MARKED_SOURCES)
         corpora.append(_tokenised(files, root, cfg))
     return corpora
 

@@ -26,6 +26,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from meshtrain.data.bad_records import ON_BAD_RECORD, BadRecords
 from meshtrain.data.chat_data import flagged_ids, record_keys
 from meshtrain.data.parts import Part, split_jsonl, split_parquet
 from meshtrain.data.shards import (
@@ -43,8 +44,6 @@ from meshtrain.data.shards import (
     write_unit,
 )
 from meshtrain.data.sources import (
-    ON_BAD_RECORD,
-    BadRecords,
     document_format,
     read_documents,
     read_records,

@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from meshtrain.data.bad_records import ON_BAD_RECORD
 from meshtrain.data.chat_data import TRAIN_ON, chat_options_for
 from meshtrain.data.prepare import prepare
-from meshtrain.data.sources import ON_BAD_RECORD, resolve_paths
+from meshtrain.data.sources import resolve_paths
 from meshtrain.errors import error_line
 from meshtrain.prog import prog_name
 

@@ -33,6 +33,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from meshtrain.data.bad_records import BadRecords
 from meshtrain.data.flags import ID_BITS
 from meshtrain.data.integrity import (
     MANIFEST,
@@ -43,7 +44,6 @@ from meshtrain.data.integrity import (
     read_docs,
     unit_checks,
 )
-from meshtrain.data.sources import BadRecords
 from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import DataError
 

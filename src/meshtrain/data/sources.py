@@ -7,37 +7,29 @@ import fnmatch
 import glob as globbing
 import gzip
 import json
+import logging
 import os
 import sysconfig
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from meshtrain.data.bad_records import ON_BAD_RECORD, SKIP_HINT, BadRecords, fault
 from meshtrain.data.parts import Part
 from meshtrain.data.unicode import lone_surrogate
 from meshtrain.errors import DataError
 
 FORMATS = ("jsonl", "jsonl.gz", "parquet", "text")
-ON_BAD_RECORD = ("error", "skip")
-BAD_RECORD_KINDS = (
-    "invalid_json",
-    "missing_text_key",
-    "non_string_text",
-    "undecodable_bytes",
-    "lone_surrogate",
-    "unreadable_parquet",
-    "bad_chat_record",
-)
+RECORD_FORMATS = ("jsonl", "jsonl.gz", "parquet")  # files of records (chat, preference data)
 # Installed third-party packages are not corpus text, and a virtualenv may live under them. With a
 # venv, sysconfig's stdlib still points at the base interpreter's lib/pythonX.Y, whose
 # site-packages holds that interpreter's packages; Debian's system Python uses dist-packages.
 _PRUNED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
-_SKIP_HINT = "set data.on_bad_record=skip (prepare: --on-bad-record skip) to skip it"
+log = logging.getLogger(__name__)
 
 
 def document_format(path: Path) -> str:
@@ -103,11 +95,16 @@ def _files_under(directory: Path) -> list[Path]:
     return [f for f in found if f.is_file()]
 
 
-def resolve_paths(patterns: Sequence[str], *, key: str = "data.paths") -> tuple[list[Path], Path]:
+def resolve_paths(
+    patterns: Sequence[str], *, key: str = "data.paths", records_only: bool = False
+) -> tuple[list[Path], Path]:
     """Returns (the files named by `patterns`, sorted and de-duplicated, their root directory).
 
     Each pattern is a file, a directory (every file under it) or a glob (`**` for any depth). The
     root is the common directory of the files' parents: document keys are paths relative to it.
+    With `records_only` (chat and preference data: records, not documents), a directory or glob
+    gives its .jsonl, .jsonl.gz and .parquet files, and the others it holds (a README) are passed
+    over with one log line; a file named on its own is taken as it is.
     """
     if not patterns:
         raise DataError(f"{key} is empty; give at least one file, directory or glob")
@@ -117,14 +114,17 @@ def resolve_paths(patterns: Sequence[str], *, key: str = "data.paths") -> tuple[
         if globbing.has_magic(expanded):
             matched = [Path(m) for m in globbing.glob(expanded, recursive=True)]
             found = [f for m in matched for f in ([m] if m.is_file() else _files_under(m))]
+            found = _record_files(found, pattern, key) if records_only else found
             if not found:
                 raise DataError(
                     f"{key}: {pattern!r} matches no file; check the pattern (** matches any depth)"
                 )
         elif Path(expanded).is_dir():
             found = _files_under(Path(expanded))
+            found = _record_files(found, pattern, key) if records_only else found
             if not found:
-                raise DataError(f"{key}: directory {pattern!r} holds no files; add documents to it")
+                held = "no .jsonl, .jsonl.gz or .parquet files" if records_only else "no files"
+                raise DataError(f"{key}: directory {pattern!r} holds {held}; add documents to it")
         elif Path(expanded).exists():
             found = [Path(expanded)]
         else:
@@ -136,37 +136,19 @@ def resolve_paths(patterns: Sequence[str], *, key: str = "data.paths") -> tuple[
     return ordered, Path(os.path.commonpath([f.parent for f in ordered]))
 
 
-@dataclass
-class BadRecords:
-    """Counts of skipped record-level faults, by kind (BAD_RECORD_KINDS)."""
-
-    counts: dict[str, int] = field(default_factory=dict)
-
-    def add(self, kind: str, n: int = 1) -> None:
-        if n:
-            self.counts[kind] = self.counts.get(kind, 0) + n
-
-    def merge(self, other: BadRecords) -> None:
-        for kind, n in other.counts.items():
-            self.add(kind, n)
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def describe(self) -> str:
-        """e.g. "skipped 3 records: 2 invalid_json, 1 undecodable_bytes"."""
-        if not self.total:
-            return "skipped no records"
-        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.counts.items()) if n)
-        return f"skipped {self.total} record{'s' * (self.total != 1)}: {kinds}"
-
-
-def _fault(kind: str, message: str, on_bad_record: str, bad: BadRecords) -> None:
-    """Raises the one-line `message` (on_bad_record=error) or counts the fault in `bad`."""
-    if on_bad_record == "error":
-        raise DataError(message)
-    bad.add(kind)
+def _record_files(found: list[Path], pattern: str, key: str) -> list[Path]:
+    """The record files among `found` (what `pattern` expanded to); the others, logged."""
+    kept = [f for f in found if document_format(f) in RECORD_FORMATS]
+    if passed := sorted(f.name for f in found if f not in kept):
+        shown = ", ".join(passed[:5]) + (f" and {len(passed) - 5} more" if len(passed) > 5 else "")
+        log.info(
+            "%s: %r: passed over %d file(s) not of .jsonl, .jsonl.gz or .parquet: %s",
+            key,
+            pattern,
+            len(passed),
+            shown,
+        )
+    return kept
 
 
 def _one_line(err: BaseException) -> str:
@@ -181,7 +163,7 @@ def _record_text(
         strings = [k for k, v in record.items() if isinstance(v, str)] or list(record)
         fix = f"set data.text_key={strings[0]}" if strings else "give each record a text"
         message = f"{where}: no {text_key!r} key (has keys {sorted(record)}); {fix}, or "
-        _fault("missing_text_key", message + _SKIP_HINT, on_bad_record, bad)
+        fault("missing_text_key", message + SKIP_HINT, on_bad_record, bad)
         return None
     text = record[text_key]
     if not isinstance(text, str):
@@ -196,22 +178,22 @@ def _record(line: bytes, where: str, on_bad_record: str, bad: BadRecords) -> dic
         record = json.loads(line)
     except UnicodeDecodeError as err:
         message = f"{where}: not UTF-8 ({err.reason}); fix the line, or "
-        _fault("undecodable_bytes", message + _SKIP_HINT, on_bad_record, bad)
+        fault("undecodable_bytes", message + SKIP_HINT, on_bad_record, bad)
         return None
     except json.JSONDecodeError as err:
         message = f"{where}: invalid JSON ({err.msg} at column {err.colno}); fix the line, or "
-        _fault("invalid_json", message + _SKIP_HINT, on_bad_record, bad)
+        fault("invalid_json", message + SKIP_HINT, on_bad_record, bad)
         return None
     if not isinstance(record, dict):
         message = f"{where}: a JSON {type(record).__name__} where one object per line is expected; "
-        _fault("invalid_json", message + _SKIP_HINT, on_bad_record, bad)
+        fault("invalid_json", message + SKIP_HINT, on_bad_record, bad)
         return None
     if at := lone_surrogate(line, record):
         message = (
             f"{where}: {at} holds a lone surrogate (a \\uD800-\\uDFFF escape without its pair), "
             "which is no Unicode text; fix the line, or "
         )
-        _fault("lone_surrogate", message + _SKIP_HINT, on_bad_record, bad)
+        fault("lone_surrogate", message + SKIP_HINT, on_bad_record, bad)
         return None
     return record
 
@@ -224,7 +206,7 @@ def _not_a_string(
         f"{where}: {text_key!r} holds {type(value).__name__} {str(value)[:20]!r}, not a "
         f"string; set data.text_key to a text {holder}, or "
     )
-    _fault("non_string_text", message + _SKIP_HINT, on_bad_record, bad)
+    fault("non_string_text", message + SKIP_HINT, on_bad_record, bad)
 
 
 def _jsonl_lines(path: Path, part: Part | None) -> Iterator[tuple[int, bytes]]:
@@ -288,7 +270,7 @@ def _read_parquet(path, text_key, on_bad_record, bad, part) -> Iterator[tuple[in
                 where = f"{path} row {row + offset} (from 0)"
                 if text is None:
                     message = f"{where}: {text_key!r} is null; fill it, or "
-                    _fault("missing_text_key", message + _SKIP_HINT, on_bad_record, bad)
+                    fault("missing_text_key", message + SKIP_HINT, on_bad_record, bad)
                 elif not isinstance(text, str):
                     _not_a_string(where, text_key, text, "column", on_bad_record, bad)
                 else:
@@ -296,7 +278,7 @@ def _read_parquet(path, text_key, on_bad_record, bad, part) -> Iterator[tuple[in
             row += len(values)
     except (pa.ArrowInvalid, OSError) as err:
         message = f"{path}: unreadable parquet file ({_one_line(err)}); re-create or remove it, or "
-        _fault("unreadable_parquet", message + _SKIP_HINT, on_bad_record, bad)
+        fault("unreadable_parquet", message + SKIP_HINT, on_bad_record, bad)
 
 
 def _read_text(path: Path, on_bad_record: str, bad: BadRecords) -> Iterator[tuple[int, str]]:
@@ -312,7 +294,7 @@ def _read_text(path: Path, on_bad_record: str, bad: BadRecords) -> Iterator[tupl
             f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x}); convert the file "
             "to UTF-8 or remove it, or "
         )
-        _fault("undecodable_bytes", message + _SKIP_HINT, on_bad_record, bad)
+        fault("undecodable_bytes", message + SKIP_HINT, on_bad_record, bad)
 
 
 def read_documents(
@@ -357,7 +339,7 @@ def read_records[T](
     refuses (a DataError) is a bad record of kind "bad_chat_record", named by file and line or
     row. Other files hold no records: a one-line DataError."""
     fmt = document_format(path)
-    if fmt not in ("jsonl", "jsonl.gz", "parquet"):
+    if fmt not in RECORD_FORMATS:
         raise DataError(
             f"{path}: chat data are records in .jsonl, .jsonl.gz or .parquet files, not a "
             "text file; convert it, or leave it out of data.paths"
@@ -367,7 +349,7 @@ def read_records[T](
             converted = convert(record)
         except DataError as err:
             message = f"{where}: {err}; fix the record, or "
-            _fault("bad_chat_record", message + _SKIP_HINT, on_bad_record, bad)
+            fault("bad_chat_record", message + SKIP_HINT, on_bad_record, bad)
             continue
         yield number, converted
 
@@ -391,4 +373,4 @@ def _records(
             row += len(rows)
     except (pa.ArrowInvalid, OSError) as err:
         message = f"{path}: unreadable parquet file ({_one_line(err)}); re-create or remove it, or "
-        _fault("unreadable_parquet", message + _SKIP_HINT, on_bad_record, bad)
+        fault("unreadable_parquet", message + SKIP_HINT, on_bad_record, bad)
