@@ -265,3 +265,31 @@ def test_eta_uses_steps_since_first_write_and_start_step(
         writer.write(130, {"loss": 1.0})  # 20 steps in 15 s → 170 × 0.75 s
     etas = [record.getMessage().rsplit("eta=", 1)[1] for record in caplog.records]
     assert etas == ["?", "1m30s", "2m08s"]
+
+
+def test_a_tracker_failing_mid_run_is_closed_and_the_rest_goes_on(tmp_path: Path, caplog) -> None:
+    class Flaky:
+        def __init__(self) -> None:
+            self.steps, self.closed = [], []
+
+        def write(self, step, values):
+            if step == 2:
+                raise ConnectionError("the server\nwent away")
+            self.steps.append(step)
+
+        def close(self, *, failed: bool) -> None:
+            self.closed.append(failed)
+
+    with MetricsWriter(tmp_path, total_steps=3, is_main=True) as writer:
+        flaky = Flaky()
+        writer._trackers.append(flaky)
+        with caplog.at_level("WARNING", logger="meshtrain.observe.metrics"):
+            for step in (1, 2, 3):
+                writer.write(step, {"loss": float(step)})
+    assert flaky.steps == [1] and flaky.closed == [True]  # closed once, as failed
+    assert caplog.messages == [
+        "Flaky failed at step 2 and is closed for the rest of the run (the server went away); "
+        "metrics.jsonl and the other trackers go on"
+    ]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]

@@ -10,10 +10,14 @@ they would to any other program.
 from __future__ import annotations
 
 import importlib.util
+import netrc
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
+from urllib.parse import urlparse
 
-from meshtrain.errors import require
+from meshtrain.errors import ConfigError, require
 
 Tracker = Literal["tensorboard", "wandb", "mlflow"]
 """An entry of logging.trackers."""
@@ -101,3 +105,27 @@ def check_logging(logging: LoggingConfig) -> None:
         mode is None or mode in modes,
         f"logging.wandb.mode={mode!r} is not supported; use one of: {', '.join(modes)}",
     )
+    if "wandb" in logging.trackers and (host := wandb_login_missing(logging.wandb)):
+        raise ConfigError(
+            f"logging.trackers: wandb logs online but finds no login for {host} (no "
+            "WANDB_API_KEY, no entry in ~/.netrc); run `wandb login`, set WANDB_API_KEY, or log "
+            "offline with logging.wandb.mode=offline (`wandb sync` uploads it later)"
+        )
+
+
+def wandb_login_missing(
+    settings: WandbConfig, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """The W&B host an online run would log to without credentials (WANDB_API_KEY, or the
+    host's entry in the netrc file where `wandb login` writes it), else None: checked before
+    anything compiles, where W&B itself would stop the run only once it opens."""
+    environ = os.environ if environ is None else environ
+    mode = settings.mode or environ.get("WANDB_MODE") or "online"
+    if mode not in ("online", "run") or environ.get("WANDB_API_KEY"):
+        return None
+    host = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
+    try:
+        found = netrc.netrc(environ.get("NETRC")).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        found = None
+    return None if found else host

@@ -7,6 +7,7 @@ rank<N>.log and prints only warnings and errors.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -198,8 +199,20 @@ class MetricsWriter:
         self._jsonl.write(json.dumps({"step": int(step), **values}) + "\n")
         self._jsonl.flush()
         tagged = {metric_tag(name): value for name, value in values.items()}
-        for tracker in self._trackers:
-            tracker.write(int(step), tagged)
+        for tracker in list(self._trackers):
+            try:
+                tracker.write(int(step), tagged)
+            except Exception as err:  # a tracker's service went away: training goes on
+                self._trackers.remove(tracker)
+                logger.warning(
+                    "%s failed at step %d and is closed for the rest of the run (%s); "
+                    "metrics.jsonl and the other trackers go on",
+                    type(tracker).__name__,
+                    step,
+                    " ".join(str(err).split()) or type(err).__name__,
+                )
+                with contextlib.suppress(Exception):
+                    tracker.close(failed=True)
 
         eta = self._eta(step)
         shown = " ".join(_format_metric(name, value) for name, value in values.items())
