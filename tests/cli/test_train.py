@@ -8,6 +8,7 @@ import pty
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers.commands import train_command
@@ -116,7 +117,39 @@ def test_a_rejected_run_keeps_a_directory_that_holds_more_than_hydra_files(tmp_p
     result = train_command("+training.stepz=3", f"hydra.run.dir={tmp_path}")
     assert_one_line_error(result, "unknown config key 'training.stepz'")
     assert (tmp_path / "notes.txt").read_text() == "mine"
-    assert (tmp_path / ".hydra" / "config.yaml").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]  # no record of a refused run
+
+
+def _record(run_dir):
+    return {p.relative_to(run_dir): p.read_bytes() for p in run_dir.glob(".hydra*/**/*.yaml")}
+
+
+def test_the_run_directorys_record_belongs_to_the_run_that_holds_it(tmp_path):
+    run = ("data=synthetic", "data.seq_len=32", "model.num_layers=1", f"hydra.run.dir={tmp_path}")
+    first = train_command(*run, "training.steps=2", "checkpoint.every_steps=2", devices=1)
+    assert first.returncode == 0, first.stderr
+    record = _record(tmp_path)
+    assert set(record) == {
+        Path(".hydra/config.yaml"),
+        Path(".hydra/hydra.yaml"),
+        Path(".hydra/overrides.yaml"),
+    }
+    # Refused by a bad key, by a changed setting on resume: the first run's record stays as it
+    # was, byte for byte, and the refused commands leave none.
+    bad = train_command(*run, "training.steps=4", "model.lora.rank=-4", devices=1)
+    assert_one_line_error(bad, "model.lora.rank=-4 must be positive")
+    changed = train_command(*run, "training.steps=4", "training.seed=7", devices=1)
+    assert_one_line_error(changed, "training.seed 0 → 7")
+    assert _record(tmp_path) == record
+    # A resumed start keeps its own record beside the first one's.
+    resumed = train_command(*run, "training.steps=3", devices=1)
+    assert resumed.returncode == 0, resumed.stderr
+    now = _record(tmp_path)
+    assert {k: v for k, v in now.items() if k in record} == record
+    (start,) = {k.parent for k in now if k not in record}
+    assert start.parent == Path(".hydra/starts")
+    assert b"training.steps=3" in now[start / "overrides.yaml"]
+    assert not list(tmp_path.glob(".hydra-pending-*"))
 
 
 def test_cfg_job_prints_the_composed_config_without_training():

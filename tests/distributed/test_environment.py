@@ -1,5 +1,7 @@
 """Who a process is: explicit config, torchrun-style variables, SLURM / Open MPI, in that order."""
 
+import os
+
 import pytest
 
 from meshtrain.config import DistributedConfig
@@ -194,7 +196,7 @@ def test_only_process_0_writes_the_hydra_subdir():
     assert env_process_id(None, SLURM) == 3
     assert env_process_id(2, {"RANK": "3"}) == 2  # distributed.process_id wins
     assert env_process_id(None, {"RANK": "x"}) == 0  # never raises: start-up reports it
-    assert hydra_output_subdir(0) == ".hydra"
+    assert hydra_output_subdir(0) == f".hydra-pending-{os.getpid()}"  # .hydra/ once accepted
     assert hydra_output_subdir(1) is None
 
 

@@ -85,7 +85,7 @@ def run_dirs(before: Snapshot) -> set[str]:
     found = set()
     for path, (size, _) in before.items():
         parent, _, name = path.rpartition("/")
-        if parent and "/" in parent and (size != -1 or name == ".hydra"):
+        if parent and "/" in parent and (size != -1 or name.startswith(".hydra")):
             found.add(parent)
     return found
 

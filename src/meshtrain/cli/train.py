@@ -40,6 +40,7 @@ from meshtrain.config.hydra import (
     unknown_entry_key_message,
     unknown_key_message,
 )
+from meshtrain.config.run_record import discard_run_record
 from meshtrain.distributed.environment import register_run_dir_resolvers
 from meshtrain.distributed.xla_flags import merge_xla_flags
 from meshtrain.errors import ConfigError, DistributedError, did_you_mean
@@ -262,7 +263,9 @@ def train_from_hydra(cfg: DictConfig) -> None:
                 return
             result = train(config, run_dir)
     except (ConfigError, DistributedError, NonFiniteError) as err:
-        _remove_if_only_hydra_files(Path(HydraConfig.get().runtime.output_dir))
+        output_dir = Path(HydraConfig.get().runtime.output_dir)
+        discard_run_record(output_dir)  # a refused command's record (accepted ones are kept)
+        _remove_if_only_hydra_files(output_dir)
         if _wants_traceback():
             raise
         fail(str(err), EXIT_NONFINITE if isinstance(err, NonFiniteError) else err.exit_code)
@@ -294,7 +297,7 @@ def _remove_if_only_hydra_files(run_dir: Path) -> None:
     parents below outputs/ that this leaves empty: a rejected command leaves nothing behind.
     A directory holding any file outside Hydra's `.hydra/` is kept."""
     if not run_dir.is_dir() or any(
-        not path.is_dir() and path.relative_to(run_dir).parts[0] != ".hydra"
+        not path.is_dir() and not path.relative_to(run_dir).parts[0].startswith(".hydra")
         for path in run_dir.rglob("*")
     ):
         return

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from meshtrain.config.run_record import pending_record_name
 from meshtrain.config.schema import ClusterDetection, DistributedConfig, choices
 from meshtrain.errors import ConfigError
 
@@ -374,8 +375,10 @@ def env_process_id(explicit: int | None = None, environ: Mapping[str, str] | Non
 
 
 def hydra_output_subdir(process_id: int | None) -> str | None:
-    """Hydra's `output_subdir`: `.hydra` on process 0; null elsewhere, so that only it writes there."""
-    return ".hydra" if env_process_id(process_id) == 0 else None
+    """Hydra's `output_subdir`: on process 0 a directory of its own that becomes the run's
+    `.hydra/` once the run is accepted (config.run_record); null elsewhere, so that only process 0
+    writes a record."""
+    return pending_record_name() if env_process_id(process_id) == 0 else None
 
 
 def register_run_dir_resolvers() -> None:

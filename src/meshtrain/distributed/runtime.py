@@ -250,7 +250,11 @@ def first_start_run_dir(run_dir: Path, environ: Mapping[str, str]) -> Path:
             record.write_text(str(own))
         return run_dir
     first = Path(record.read_text())
-    if first != own and own.is_dir() and not any(p.name != ".hydra" for p in own.iterdir()):
+    if (
+        first != own
+        and own.is_dir()
+        and not any(not p.name.startswith(".hydra") for p in own.iterdir())
+    ):
         shutil.rmtree(own, ignore_errors=True)  # only Hydra's copy of the same config
     return first
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import optax
 
+from meshtrain.config.run_record import keep_run_record
 from meshtrain.config.schema import Config
 from meshtrain.models.initialization import initial_params_programs
 from meshtrain.observe.compile_report import CompileReport, ProgramCompile, measure
@@ -57,6 +58,7 @@ def dry_run(
         run_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(run_dir, is_main=is_main, rank=jax.process_index())
     describe(setup)
+    keep_run_record(run_dir)  # checked: the plan goes into this directory
     tx = build_optimizer(cfg.training)
     # Outside the mesh's context: optax builds a placeholder state eagerly, on this host.
     shardings = state_shardings(setup.model, tx, setup.mesh, reference=setup.reference_copy)

@@ -18,6 +18,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from meshtrain.checkpoint import RunCheckpoints
+from meshtrain.config.run_record import keep_run_record
 from meshtrain.config.schema import Config
 from meshtrain.data import BatchIterator
 from meshtrain.distributed.preemption import StopSignals
@@ -79,6 +80,7 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
     tx = build_optimizer(training)
     shardings = state_shardings(setup.model, tx, setup.mesh, reference=setup.reference_copy)
     checkpoints = _open_checkpoints(setup, tx, shardings, run_dir)
+    keep_run_record(run_dir)  # accepted: its lock is held and its resume compared
     try:  # until the `with` below, a failure must not keep the run's directory locked
         if is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
