@@ -20,6 +20,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from meshtrain.config.locations import with_absolute_paths
 from meshtrain.config.pipeline import with_scan_layers
 from meshtrain.config.schema import Config
 from meshtrain.config.validate import check_against_mesh, check_config, micro_batch_size
@@ -130,6 +131,7 @@ def prepare(
     (The checkpoint and initial-weight checks, which read the disk, follow in the loop's
     `_open_checkpoints`, still before any compile.)"""
     check_config(cfg)
+    cfg = with_absolute_paths(cfg)  # recorded so: the run directory travels
     devices = list(devices) if devices is not None else jax.devices()
     mesh_spec = parse_mesh_shape(cfg.model.mesh_shape, len(devices), platform=devices[0].platform)
     check_against_mesh(cfg, mesh_spec)

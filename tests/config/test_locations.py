@@ -1,0 +1,47 @@
+"""The paths a run records are absolute, so that its directory travels."""
+
+from helpers.config import compose_config
+from helpers.paths import REPO
+from helpers.runs import train_tiny
+
+from meshtrain.config.locations import with_absolute_paths
+from meshtrain.inference.load import load_tokenizer
+
+GEMMA = REPO / "tests" / "fixtures" / "chat" / "gemma3"
+
+
+def test_existing_paths_become_absolute_and_names_stay(tmp_path, monkeypatch):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "weights").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = with_absolute_paths(
+        compose_config(
+            "data.tokenizer=base",
+            "model.init_from=hf:base",
+            "checkpoint.load_params=weights",
+            "model.lora.init_from=peft:missing",
+        )
+    )
+    assert cfg.data.tokenizer == str(tmp_path / "base")
+    assert cfg.model.init_from == f"hf:{tmp_path / 'base'}"
+    assert cfg.checkpoint.load_params == str(tmp_path / "weights")
+    assert cfg.model.lora.init_from == "peft:missing"  # left for its own check to name
+    assert with_absolute_paths(compose_config()).data.tokenizer == "byte"
+    assert compose_config("data.paths=[a]").data.paths == ["a"]  # compared by value on resume
+
+
+def test_a_run_directory_is_read_from_another_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    relative = GEMMA.relative_to(REPO)
+    train_tiny(
+        tmp_path / "run",
+        "data=synthetic",
+        f"data.tokenizer={relative}",
+        "model.vocab_size=512",
+        "data.seq_len=32",
+        "model.num_layers=1",
+        "training.steps=1",
+        devices=1,
+    )
+    monkeypatch.chdir(tmp_path)  # meshtrain-eval or -generate started elsewhere
+    assert load_tokenizer(tmp_path / "run").vocab_size == load_tokenizer(GEMMA).vocab_size
