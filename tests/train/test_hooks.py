@@ -34,9 +34,12 @@ def test_a_cadence_is_due_on_any_of_its_conditions():
 
 
 class _Hook:
-    def __init__(self, name, cadence, values, *, part_of_step=False, fail=False, ran=None):
+    def __init__(
+        self, name, cadence, values, *, part_of_step=False, fail=False, ran=None, after=False
+    ):
         self.name, self.cadence, self.values = name, cadence, values
         self.part_of_step, self.fail, self.log = part_of_step, fail, ran
+        self.after_record = after
 
     def __call__(self, info):
         self.log.append((self.name, info.step))
@@ -45,54 +48,72 @@ class _Hook:
         return self.values
 
 
-def _runner(hooks, written, restarts):
-    return HookRunner(
-        hooks, write=lambda s, r: written.append((s, dict(r))), restart_clock=restarts.append
-    )
+def _runner(hooks, written, restarts, ran=None):
+    def write(step, record):
+        written.append((step, dict(record)))
+        if ran is not None:
+            ran.append(("record", step))
+
+    return HookRunner(hooks, write=write, restart_clock=restarts.append)
 
 
 def test_the_due_hooks_run_in_order_and_their_record_is_written_once():
     ran, written, restarts = [], [], []
     hooks = [
         _Hook("metrics", Cadence(every=2), {"loss": 1.0}, part_of_step=True, ran=ran),
-        _Hook("save", Cadence(every=3), {}, ran=ran),
         _Hook("eval", Cadence(every=2), {"val_loss": 2.0}, ran=ran),
+        _Hook("save", Cadence(every=3), {}, ran=ran, after=True),
     ]
-    runner = _runner(hooks, written, restarts)
+    runner = _runner(hooks, written, restarts, ran)
     for step in range(1, 7):
         runner.run(_info(step))
+    # The save follows the step's record: a process killed once it is committed logged the step.
     assert ran == [
         ("metrics", 2),
         ("eval", 2),
+        ("record", 2),
         ("save", 3),
         ("metrics", 4),
         ("eval", 4),
+        ("record", 4),
         ("metrics", 6),
-        ("save", 6),
         ("eval", 6),
+        ("record", 6),
+        ("save", 6),
     ]
-    assert written == [(2, {"loss": 1.0, "val_loss": 2.0})] * 1 + [
-        (4, {"loss": 1.0, "val_loss": 2.0}),
-        (6, {"loss": 1.0, "val_loss": 2.0}),
-    ]
+    assert written == [(step, {"loss": 1.0, "val_loss": 2.0}) for step in (2, 4, 6)]
     # The clock restarts after any hook that is not the step's own time: steps 2, 3, 4 and 6.
     assert restarts == [2, 3, 4, 6]
     assert set(runner.seconds) == {"metrics", "save", "eval"}
 
 
-def test_a_hook_that_fails_leaves_the_record_of_those_before_it_written():
+def test_a_failing_evaluation_leaves_its_record_and_the_checkpoint_due():
     ran, written, restarts = [], [], []
     hooks = [
         _Hook("metrics", Cadence(every=1), {"loss": 1.0}, part_of_step=True, ran=ran),
-        _Hook("save", Cadence(every=1), {}, ran=ran),
         _Hook("harness", Cadence(every=1), {"eval/x": 1.0}, fail=True, ran=ran),
-        _Hook("after", Cadence(every=1), {"never": 1.0}, ran=ran),
+        _Hook("later", Cadence(every=1), {"never": 1.0}, ran=ran),
+        _Hook("save", Cadence(every=1), {}, ran=ran, after=True),
     ]
     with pytest.raises(RuntimeError, match="harness failed"):
-        _runner(hooks, written, restarts).run(_info(5))
-    assert ran == [("metrics", 5), ("save", 5), ("harness", 5)]
+        _runner(hooks, written, restarts, ran).run(_info(5))
+    assert ran == [("metrics", 5), ("harness", 5), ("record", 5), ("save", 5)]
     assert written == [(5, {"loss": 1.0})]
     assert restarts == [5]
+
+
+def test_a_failure_inside_the_step_saves_nothing():
+    # The non-finite guard is part of the step: the state it refuses is never saved.
+    ran, written, restarts = [], [], []
+    hooks = [
+        _Hook("metrics", Cadence(every=1), {"loss": 1.0}, part_of_step=True, ran=ran),
+        _Hook("guard", Cadence(every=1), {}, part_of_step=True, fail=True, ran=ran),
+        _Hook("save", Cadence(every=1), {}, ran=ran, after=True),
+    ]
+    with pytest.raises(RuntimeError, match="guard failed"):
+        _runner(hooks, written, restarts, ran).run(_info(5))
+    assert ran == [("metrics", 5), ("guard", 5), ("record", 5)]
+    assert restarts == []
 
 
 def _broken_task(directory):

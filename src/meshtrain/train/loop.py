@@ -120,8 +120,8 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
                 config=cfg,  # its logging.trackers, and the config each of them logs
             ) as writer,
             HookRunner(
-                # In this order: a checkpoint is saved before any evaluation of its step runs.
-                [profiler, *metrics_hooks, saves, *evaluations],
+                # The save runs last, after the step's record (HookRunner: after_record).
+                [profiler, *metrics_hooks, *evaluations, saves],
                 write=lambda step, record: _write(writer, history, step, record),
                 restart_clock=clock.restart,
             ) as hooks,

@@ -3,7 +3,8 @@
 A hook declares when it is due (`Cadence`: every N steps, the run's first step, its last, a step
 after which a stop signal ends the run) and what it does with the step (`StepInfo`); it returns
 the metrics it adds to the step's record (an empty dict for none). `HookRunner` runs the due
-hooks in their order and writes the record once, after the last of them. The time the hooks
+hooks in their order and writes the record once, after the last of them that adds metrics (a
+checkpoint's save runs after the record: `after_record`). The time the hooks
 take (an evaluation, a checkpoint's save) is kept out of the step time: the step clock restarts
 after any hook that is not part of the step (`Hook.part_of_step`: the step metrics' own wait for
 the devices is).
@@ -65,7 +66,8 @@ class AnyOf:
 class Hook(Protocol):
     """A piece of work after the step; see the module docstring. A hook may also define
     `before_step(step, state)`, called before each step is dispatched (the profiler opens its
-    trace there), and `close()`, called when the loop ends, also on an error."""
+    trace there), `close()`, called when the loop ends, also on an error, and `after_record =
+    True` to run after the step's record is written (HookRunner)."""
 
     name: str
     cadence: Cadence | AnyOf
@@ -78,8 +80,12 @@ class HookRunner:
     """Runs the due hooks of each step in order and writes their record once.
 
     write(step, record): where a record goes (observe.metrics.MetricsWriter.write);
-    restart_clock(step): what keeps the hooks' time out of the step time. A hook that raises
-    leaves the record of what ran before it written, then the error goes on.
+    restart_clock(step): what keeps the hooks' time out of the step time. Hooks marked
+    `after_record` (the checkpoint save) run after the record is written, so that a process
+    killed once a checkpoint is committed has logged that step. A hook that raises leaves the
+    record of what ran before it written; if it was not part of the step (an evaluation), the
+    step's state is sound and the after-record hooks still run (the checkpoint due is saved)
+    before the error goes on; a failure inside the step (the non-finite guard) saves nothing.
     """
 
     def __init__(
@@ -90,9 +96,12 @@ class HookRunner:
         restart_clock: Callable[[int], None],
     ) -> None:
         self.hooks: Sequence[Hook] = tuple(hooks)
+        self._before = [h for h in self.hooks if not getattr(h, "after_record", False)]
+        self._after = [h for h in self.hooks if getattr(h, "after_record", False)]
         self._write, self._restart_clock = write, restart_clock
         self.ran: list[str] = []  # the hooks that ran after the last step, in order
         self.seconds: dict[str, float] = {}  # each hook's time over the run
+        self._outside_step = False  # a hook that is not part of the step ran after the last step
 
     def before_step(self, step: int, state: Any) -> None:
         for hook in self.hooks:
@@ -102,25 +111,37 @@ class HookRunner:
     def run(self, info: StepInfo) -> dict[str, float]:
         """The due hooks of `info.step`, in order; returns the record written ({} for none)."""
         record: dict[str, float] = {}
-        self.ran = []
-        outside_step = False
+        self.ran, self._outside_step = [], False
+        running: Hook | None = None  # the hook that raised, if one did
         try:
-            for hook in self.hooks:
-                if not hook.cadence.due(info):
-                    continue
-                start = time.perf_counter()
-                record.update(hook(info))
-                self.seconds[hook.name] = self.seconds.get(hook.name, 0.0) + (
-                    time.perf_counter() - start
-                )
-                self.ran.append(hook.name)
-                outside_step = outside_step or not hook.part_of_step
+            for hook in self._before:
+                if hook.cadence.due(info):
+                    running = hook
+                    record.update(self._timed(hook, info))
+            running = None
         finally:
-            if record:
-                self._write(info.step, record)
-            if outside_step:
-                self._restart_clock(info.step)
+            try:
+                if record:
+                    self._write(info.step, record)
+                if running is None or not running.part_of_step:
+                    for hook in self._after:
+                        if hook.cadence.due(info):
+                            self._timed(hook, info)
+            finally:
+                if self._outside_step:
+                    self._restart_clock(info.step)
         return record
+
+    def _timed(self, hook: Hook, info: StepInfo) -> Mapping[str, float]:
+        start = time.perf_counter()
+        try:
+            return hook(info)
+        finally:
+            self.seconds[hook.name] = self.seconds.get(hook.name, 0.0) + (
+                time.perf_counter() - start
+            )
+            self.ran.append(hook.name)
+            self._outside_step = self._outside_step or not hook.part_of_step
 
     def close(self) -> None:
         for hook in self.hooks:

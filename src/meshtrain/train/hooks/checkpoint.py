@@ -37,11 +37,14 @@ class NonfiniteGuard:
 
 
 class SaveCheckpoint:
-    """Saves the state after a due step (not twice: a step saved already is skipped). The save
-    runs before any evaluation of that step, so a failing evaluation costs no training state."""
+    """Saves the state after a due step (not twice: a step saved already is skipped). It runs
+    after the step's record is written (a process killed once the checkpoint is committed has
+    logged the step), and also after a failing evaluation of that step (HookRunner), so that
+    costs no training state."""
 
     name = "checkpoint"
     part_of_step = False  # the save waits for the step; its own time is not step time
+    after_record = True
 
     def __init__(
         self, cfg: CheckpointConfig, *, checkpoints: RunCheckpoints, batches: DeviceBatches
