@@ -116,6 +116,30 @@ def test_generate_and_eval_name_what_runs_instead_of_a_peft_export(lora_run, cap
     assert capsys.readouterr().err.strip() == f"meshtrain: error: {message}"
 
 
+@pytest.mark.parametrize("damage", ["truncated", "header byte", "other bytes"])
+def test_a_damaged_adapter_file_is_one_line(lora_run, tmp_path, damage):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    for file in (lora_run / "adapter").iterdir():
+        (adapter / file.name).write_bytes(file.read_bytes())
+    weights = adapter / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "header byte":
+        data[10] ^= 0xFF
+    else:
+        data = bytearray(np.random.default_rng(0).integers(0, 256, 4096, np.uint8).tobytes())
+    weights.write_bytes(bytes(data))
+    cfg = _config(lora_run)
+    cfg.model.lora.init_from = f"peft:{adapter}"
+    with pytest.raises(ConfigError) as err:
+        check_peft(cfg.model)
+    message = str(err.value)
+    assert message.startswith(f"{weights} is not a readable safetensors file (")
+    assert message.endswith("); copy or export it again") and "\n" not in message
+
+
 def test_the_merged_export_holds_each_weight_plus_its_adapter(lora_run):
     saved = named_leaves(read_params(lora_run / "run" / "checkpoints" / "2")[0])
     merged = load_file(lora_run / "merged" / "model.safetensors")

@@ -12,10 +12,11 @@ import json
 import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes  # registers numpy's "bfloat16", which safetensors' numpy reader needs
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from meshtrain.errors import ConfigError
 
@@ -45,7 +46,7 @@ class CheckpointReader:
                 )
             self._file_of = {}
             for file in files:
-                with safe_open(file, framework="numpy") as handle:
+                with _opened(file) as handle:
                     self._file_of.update({name: file for name in handle.keys()})  # noqa: SIM118
         self._handles: dict[Path, object] = {}
 
@@ -57,7 +58,7 @@ class CheckpointReader:
         if not file.is_file():
             raise ConfigError(f"{file} is listed in {INDEX_FILE} but does not exist")
         if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="numpy")
+            self._handles[file] = _opened(file)
         return self._handles[file].get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -66,6 +67,18 @@ class CheckpointReader:
     def read(self, name: str, index: Sequence[slice]) -> np.ndarray:
         """The block `index` (one contiguous slice per dimension) of tensor `name`."""
         return self._slice(name)[tuple(index)]
+
+
+def _opened(file: Path) -> Any:
+    """safe_open of `file`; ConfigError in one line for a file that is not safetensors (truncated
+    by an interrupted copy, a damaged header, other bytes)."""
+    try:
+        return safe_open(file, framework="numpy")
+    except (SafetensorError, OSError) as err:
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise ConfigError(
+            f"{file} is not a readable safetensors file ({reason}); copy or export it again"
+        ) from None
 
 
 def write_safetensors(
