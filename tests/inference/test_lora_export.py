@@ -116,12 +116,60 @@ def test_generate_and_eval_name_what_runs_instead_of_a_peft_export(lora_run, cap
     assert capsys.readouterr().err.strip() == f"meshtrain: error: {message}"
 
 
-@pytest.mark.parametrize("damage", ["truncated", "header byte", "other bytes"])
-def test_a_damaged_adapter_file_is_one_line(lora_run, tmp_path, damage):
+def _copied_adapter(lora_run, tmp_path):
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     for file in (lora_run / "adapter").iterdir():
         (adapter / file.name).write_bytes(file.read_bytes())
+    return adapter
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("layers_to_transform", [0]),
+        ("layers_pattern", "layers"),
+        ("rank_pattern", {"q_proj": 8}),
+        ("alpha_pattern", {"v_proj": 4}),
+        ("modules_to_save", ["lm_head"]),
+    ],
+)
+def test_adapter_settings_meshtrain_cannot_follow_are_refused(lora_run, tmp_path, setting, value):
+    adapter = _copied_adapter(lora_run, tmp_path)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, setting: value}))
+    cfg = _config(lora_run, f"model.lora.init_from=peft:{adapter}")
+    with pytest.raises(ConfigError) as err:
+        check_peft(cfg.model)
+    assert str(err.value) == (
+        f"model.lora.init_from='peft:{adapter}': its adapter_config.json sets "
+        f"{setting}={json.dumps(value)}, which meshtrain's adapters cannot follow (the same rank, "
+        "alpha and targets on every layer, no fully trained modules); merge the adapter into its "
+        "base with peft (merge_and_unload) and start from that with model.init_from=hf:DIR"
+    )
+
+
+def test_a_tensor_no_adapter_reads_is_refused(lora_run, tmp_path):
+    from safetensors.numpy import save_file
+
+    adapter = _copied_adapter(lora_run, tmp_path)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    extra = "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"
+    save_file(
+        {**tensors, extra: np.zeros((4, 64), np.float32)}, adapter / "adapter_model.safetensors"
+    )
+    cfg = _config(lora_run, f"model.lora.init_from=peft:{adapter}")
+    with pytest.raises(ConfigError) as err:
+        check_peft(cfg.model)
+    assert str(err.value) == (
+        f"model.lora.init_from='peft:{adapter}': adapter_model.safetensors holds 1 tensor(s) no "
+        f"adapter of this config reads (e.g. {extra}); it was saved with other targets or settings"
+    )
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header byte", "other bytes"])
+def test_a_damaged_adapter_file_is_one_line(lora_run, tmp_path, damage):
+    adapter = _copied_adapter(lora_run, tmp_path)
     weights = adapter / "adapter_model.safetensors"
     data = bytearray(weights.read_bytes())
     if damage == "truncated":

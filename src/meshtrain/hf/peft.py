@@ -37,6 +37,15 @@ log = logging.getLogger(__name__)
 PEFT_SCHEME = "peft:"
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+# adapter_config.json settings that make an adapter differ per layer or train whole modules:
+# an adapter that sets one is refused rather than loaded as another adapter.
+UNSUPPORTED_SETTINGS = (
+    "layers_to_transform",
+    "layers_pattern",
+    "rank_pattern",
+    "alpha_pattern",
+    "modules_to_save",
+)
 PREFIX = "base_model.model.model.layers"
 MODULE = {"attn": "self_attn", "mlp": "mlp"}
 # Layout of (lora_A, lora_B) per projection.
@@ -168,6 +177,14 @@ def check_peft(cfg: ModelConfig) -> None:
             f"{' with DoRA' if saved.get('use_dora') else ''}"
             f"{' with rsLoRA' if saved.get('use_rslora') else ''}; only plain LoRA adapters load"
         )
+    for setting in UNSUPPORTED_SETTINGS:
+        if saved.get(setting) not in (None, {}, []):
+            raise ConfigError(
+                f"{key}: its adapter_config.json sets {setting}={json.dumps(saved[setting])}, "
+                "which meshtrain's adapters cannot follow (the same rank, alpha and targets on "
+                f"every layer, no fully trained modules); merge the adapter into its base with "
+                "peft (merge_and_unload) and start from that with model.init_from=hf:DIR"
+            )
     targets = saved.get("target_modules") or []
     targets = sorted([targets] if isinstance(targets, str) else targets)
     expected = sorted(PROJECTIONS[n][1] for n in target_projections(cfg.lora.targets))
@@ -188,6 +205,12 @@ def check_peft(cfg: ModelConfig) -> None:
             )
     reader = CheckpointReader(directory)
     shapes = unstacked_shapes(cfg)
+    read = {name for name, _ in peft_tensors(cfg).values()}
+    if extra := sorted(reader.names() - read):
+        raise ConfigError(
+            f"{key}: {WEIGHTS_FILE} holds {len(extra)} tensor(s) no adapter of this config reads "
+            f"(e.g. {extra[0]}); it was saved with other targets or settings"
+        )
     for path, (name, layout) in peft_tensors(cfg).items():
         want = layout.hf_shape(shapes[path])
         if name not in reader.names() or reader.shape(name) != want:
