@@ -93,3 +93,4 @@ def test_an_unknown_task_stops_the_run_before_it_trains(tmp_path):
     with pytest.raises(ConfigError, match="nosuchtask"):
         _run(tmp_path / "run", base, "eval.harness.tasks=[nosuchtask]")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run" / "plan.json").exists()  # refused before the step compiled

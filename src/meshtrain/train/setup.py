@@ -148,6 +148,10 @@ def prepare(
         raise _data_error(err) from None
     if not with_data:
         return Setup(cfg, mesh_spec, mesh, model, micro, None, None, reading, pipeline)
+    if cfg.eval.harness.tasks:  # an unknown task: one line before anything compiles
+        from meshtrain.harness.run import task_manager  # lm-eval: an optional extra
+
+        task_manager(cfg.eval.harness.tasks, cfg.eval.harness.include_path)
     with phase(log, f"reading the data ({cfg.data.source})", "read the data"):
         train_data, validation_data = _build_data(cfg)
         if len(train_data) == 0:

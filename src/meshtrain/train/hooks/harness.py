@@ -5,7 +5,8 @@ no random key, so the training losses are those of a run without it. Every proce
 (meshtrain.harness.run.evaluate_in_place: process 0 drives the harness).
 
 An evaluation that fails (a task whose template names a missing field, data it cannot read)
-costs no training state: the checkpoint hook runs first at every step. With
+costs no training state: the checkpoint due at that step is saved all the same (HookRunner runs
+the save after a failing evaluation). With
 eval.harness.on_error=stop it ends the run in one line naming the task list and the error; with
 warn it is logged and training goes on.
 """
@@ -34,17 +35,13 @@ class HarnessTasks:
         from meshtrain.harness.run import task_manager  # lm-eval: an optional extra
 
         self.harness, self.model = cfg.eval.harness, model
-        task_manager(self.harness.tasks, self.harness.include_path)  # unknown task: one line
+        task_manager(self.harness.tasks, self.harness.include_path)  # (checked at start-up)
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         self.max_length = cfg.model.max_seq_len
         self.cadence = Cadence(every=self.harness.every, last=True)
-        log.info(
-            "eval.harness: %s every %s",
-            ", ".join(self.harness.tasks),
-            f"{self.harness.every} steps and at the last"
-            if self.harness.every
-            else "run, at its end",
-        )
+        every = self.harness.every
+        when = f"every {every} steps and at the last step" if every else "at the last step"
+        log.info("eval.harness: %s %s", ", ".join(self.harness.tasks), when)
 
     def __call__(self, info: StepInfo) -> Mapping[str, float]:
         from meshtrain.harness.run import evaluate_in_place
