@@ -9,7 +9,14 @@ import json
 
 import pytest
 from helpers.commands import module_command
-from helpers.harness import EXAMPLE_TASKS, MAX_LENGTH, METRICS, TASKS, write_tiny_llama
+from helpers.harness import (
+    EXAMPLE_TASKS,
+    MAX_LENGTH,
+    METRICS,
+    TASKS,
+    write_broken_task,
+    write_tiny_llama,
+)
 from helpers.process import run_python
 
 import meshtrain
@@ -80,6 +87,33 @@ def test_an_unknown_task_is_one_line(tmp_path):
         f"'meshtrain_choice'?) in lm-eval's tasks or {EXAMPLE_TASKS}; list them with "
         "`lm-eval ls tasks`, or add --include-path DIR"
     )
+
+
+def test_a_task_yaml_that_does_not_parse_is_named(tmp_path):
+    pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
+    tasks = write_broken_task(tmp_path / "tasks", yaml_error=True)
+    args = ("--tasks", "meshtrain_broken", "--include-path", tasks)
+    result = module_command("meshtrain.eval", [tmp_path, *args])
+    line = _error(result)
+    assert line.startswith(
+        f"meshtrain: error: task 'meshtrain_broken' does not exist: {tasks / 'meshtrain_broken.yaml'}"
+        " line "
+    )
+    assert line.endswith(", which lm-eval passes over; fix it")
+
+
+def test_a_task_that_fails_on_its_data_is_one_line(tmp_path):
+    pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
+    checkpoint = write_tiny_llama(tmp_path / "llama")
+    tasks = write_broken_task(tmp_path / "tasks")  # its template names a missing field
+    args = ("--tasks", "meshtrain_broken", "--include-path", tasks, "--limit", "2")
+    result = module_command("meshtrain.eval", [checkpoint, *args])
+    assert _error(result) == (
+        "meshtrain: error: tasks meshtrain_broken failed: UndefinedError: 'questoin' is "
+        "undefined; fix the task (its YAML, template or data), or run with MESHTRAIN_DEBUG=1 "
+        "for the traceback"
+    )
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.slow  # a child process that loads JAX, lm-eval and the model: ~20 s

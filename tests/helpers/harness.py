@@ -4,6 +4,7 @@ Hugging Face Llama (helpers.tiny_hf) with a BPE tokenizer transformers reads too
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from helpers import tiny_hf
@@ -49,4 +50,22 @@ def write_tiny_llama(directory: Path, *, bos: bool = True) -> Path:
             "special_tokens": {"<bos>": {"id": "<bos>", "ids": [1], "tokens": ["<bos>"]}},
         }
         path.write_text(json.dumps(spec))
+    return directory
+
+
+def write_broken_task(directory: Path, *, yaml_error: bool = False) -> Path:
+    """examples/eval_tasks/meshtrain_choice.yaml as task meshtrain_broken in `directory` (new),
+    its template naming a missing field ({{questoin}}), or with `yaml_error` a line that does
+    not parse, with the example's data beside it."""
+    directory.mkdir()
+    task = (EXAMPLE_TASKS / "meshtrain_choice.yaml").read_text()
+    assert "{{question}}" in task
+    task = task.replace("{{question}}", "{{questoin}}").replace(
+        "task: meshtrain_choice", "task: meshtrain_broken"
+    )
+    if yaml_error:
+        task += "metadata: [unclosed\n"
+    (directory / "meshtrain_broken.yaml").write_text(task)
+    shutil.copy(EXAMPLE_TASKS / "local_data.py", directory / "local_data.py")
+    shutil.copytree(EXAMPLE_TASKS / "data", directory / "data")
     return directory

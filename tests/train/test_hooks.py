@@ -5,12 +5,11 @@ step is saved (eval.harness.on_error: stop in one line, or warn and train on).""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 from helpers import tiny_hf
 from helpers.commands import train_command
-from helpers.harness import EXAMPLE_TASKS, write_tiny_llama
+from helpers.harness import write_broken_task, write_tiny_llama
 from helpers.process import assert_one_line_error
 
 from meshtrain.checkpoint import committed_steps
@@ -116,26 +115,11 @@ def test_a_failure_inside_the_step_saves_nothing():
     assert restarts == []
 
 
-def _broken_task(directory):
-    """examples/eval_tasks/meshtrain_choice.yaml with its template naming a missing field."""
-    directory.mkdir()
-    task = (EXAMPLE_TASKS / "meshtrain_choice.yaml").read_text()
-    assert "{{question}}" in task
-    (directory / "meshtrain_broken.yaml").write_text(
-        task.replace("{{question}}", "{{questoin}}").replace(
-            "task: meshtrain_choice", "task: meshtrain_broken"
-        )
-    )
-    shutil.copy(EXAMPLE_TASKS / "local_data.py", directory / "local_data.py")
-    shutil.copytree(EXAMPLE_TASKS / "data", directory / "data")
-    return directory
-
-
 @pytest.mark.parametrize("on_error", ["stop", "warn"])
 def test_a_broken_harness_task_costs_no_checkpoint(on_error, tmp_path):
     pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
     base = write_tiny_llama(tmp_path / "base")
-    tasks = _broken_task(tmp_path / "tasks")
+    tasks = write_broken_task(tmp_path / "tasks")
     run_dir = tmp_path / "run"
     result = train_command(
         *tiny_hf.overrides("llama", base),

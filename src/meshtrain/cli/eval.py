@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -129,16 +130,27 @@ def main(argv: list[str] | None = None) -> int:
         from meshtrain.harness.lm import MeshtrainLM
 
         lm = MeshtrainLM(**model_args)
-        results = run_tasks(
-            lm,
-            tasks,
-            include_path=args.include_path,
-            limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
-            num_fewshot=args.num_fewshot,
-            bootstrap_iters=args.bootstrap_iters,
-            log_samples=args.log_samples,
-            model_args=model_args,
-        )
+        try:
+            results = run_tasks(
+                lm,
+                tasks,
+                include_path=args.include_path,
+                limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
+                num_fewshot=args.num_fewshot,
+                bootstrap_iters=args.bootstrap_iters,
+                log_samples=args.log_samples,
+                model_args=model_args,
+            )
+        except ConfigError:
+            raise
+        except Exception as err:  # a task's own failure: its template, its data, lm-eval
+            if os.environ.get("MESHTRAIN_DEBUG") == "1":
+                raise
+            first = (str(err).strip().splitlines() or [""])[0]
+            raise ConfigError(
+                f"tasks {', '.join(tasks)} failed: {type(err).__name__}: {first}; fix the task "
+                "(its YAML, template or data), or run with MESHTRAIN_DEBUG=1 for the traceback"
+            ) from None
     except ConfigError as err:
         fail(str(err))
     _write(results, output)

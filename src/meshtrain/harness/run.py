@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
 from meshtrain.data.tokenizer import Tokenizer
 from meshtrain.errors import ConfigError, did_you_mean
 from meshtrain.models.transformer import Transformer
@@ -63,12 +65,37 @@ def task_manager(tasks: Sequence[str], include_path: Sequence[str | Path] = ()) 
     manager = _task_manager(paths, True)
     for task in tasks:
         if task not in manager.all_tasks:
+            if broken := _unreadable_yaml(paths):
+                raise ConfigError(
+                    f"task {task!r} does not exist: {broken}, which lm-eval passes over; fix it"
+                )
             where = f"lm-eval's tasks or {', '.join(paths)}" if paths else "lm-eval's tasks"
             raise ConfigError(
                 f"task {task!r} does not exist{did_you_mean(task, manager.all_tasks)} in "
                 f"{where}; list them with `lm-eval ls tasks`, or add --include-path DIR"
             )
     return manager
+
+
+class _TaskYamlLoader(yaml.SafeLoader):
+    """YAML as lm-eval's task files are written: its `!function` tags read as plain values."""
+
+
+_TaskYamlLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def _unreadable_yaml(paths: Sequence[str]) -> str | None:
+    """The first task YAML under `paths` that does not parse, as "FILE line N: error"."""
+    for path in paths:
+        for file in sorted(Path(path).rglob("*.yaml")):
+            try:
+                yaml.load(file.read_text(encoding="utf-8"), Loader=_TaskYamlLoader)
+            except yaml.YAMLError as err:
+                mark = getattr(err, "problem_mark", None)
+                line = f" line {mark.line + 1}" if mark is not None else ""
+                problem = getattr(err, "problem", None) or type(err).__name__
+                return f"{file}{line}: {problem}"
+    return None
 
 
 def run_tasks(
