@@ -63,14 +63,12 @@ def chat_options_for(
     completion_key: str,
 ) -> dict[str, Any]:
     """chat_options of these values (the prepare command's)."""
-    template = load_chat_template(tokenizer, chat_template)
     return {
         "messages_key": messages_key,
         "prompt_key": prompt_key,
         "completion_key": completion_key,
         "train_on": train_on,
-        "chat_template": chat_template,
-        "template_sha256": hashlib.sha256(template.text.encode()).hexdigest(),
+        **_template_options(tokenizer, chat_template),
     }
 
 
@@ -83,12 +81,20 @@ def preference_options_for(
     rejected_key: str,
 ) -> dict[str, Any]:
     """The options of preference data (data.source=preference)."""
-    template = load_chat_template(tokenizer, chat_template)
     return {
         "kind": "preference",
         "prompt_key": prompt_key,
         "chosen_key": chosen_key,
         "rejected_key": rejected_key,
+        **_template_options(tokenizer, chat_template),
+    }
+
+
+def _template_options(tokenizer: str, chat_template: str | None) -> dict[str, Any]:
+    """The chat template's part of the options: the file given (if any) and the sha256 of the
+    template's text (a missing or broken template: a one-line DataError)."""
+    template = load_chat_template(tokenizer, chat_template)
+    return {
         "chat_template": chat_template,
         "template_sha256": hashlib.sha256(template.text.encode()).hexdigest(),
     }

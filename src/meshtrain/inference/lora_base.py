@@ -126,11 +126,15 @@ def compared_bases(saved: dict | None, current: dict | None) -> tuple[str, str]:
     return saved["source"], current["source"]
 
 
+def _count(tree: Any) -> int:
+    """The number of values in the arrays (or shapes) of `tree`."""
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
+
+
 def lora_summary(cfg: ModelConfig, model: AbstractModel) -> str:
     """The start-up line: the adapters, how many parameters train, how the base is stored."""
     lora = cfg.lora
-    count = lambda tree: sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))  # noqa: E731
-    trainable, total = count(model.trainable_params), count(model.abstract_params)
+    trainable, total = _count(model.trainable_params), _count(model.abstract_params)
     frozen = jax.tree.leaves(model.frozen_params, is_leaf=is_quantized)
     stored = sum(map(_stored_bytes, frozen))
     return (
@@ -148,9 +152,8 @@ LARGE_ADAPTERS = 0.5
 
 def large_adapters_warning(model: AbstractModel) -> str | None:
     """The start-up warning for adapters larger than LARGE_ADAPTERS of the base, else None."""
-    count = lambda tree: sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))  # noqa: E731
-    adapters = count(model.trainable_params)
-    base = count(model.abstract_params) - adapters
+    adapters = _count(model.trainable_params)
+    base = _count(model.abstract_params) - adapters
     if adapters <= LARGE_ADAPTERS * base:
         return None
     return (
