@@ -20,14 +20,19 @@ from meshtrain.observe.trace import find_trace
 DOCS = ("docs/profiling.md", "docs/planning.md")
 
 
-def is_slow(line: str) -> bool:
-    """Large models with their layers unrolled compile for a minute or more; with
-    model.scan_layers=true (tests/observe/test_memory_plan.py plans Gemma 3 27B so) they take
-    seconds. A compile for a GPU target needs the gpu-compile extra, installed for the slow set."""
+def marks(line: str) -> list[pytest.MarkDecorator]:
+    """A large model with its layers unrolled compiles for 3 to 5 minutes on 2 cores: a
+    rehearsal at a published size (`bench`; `python scripts/check_claims.py --all` measures the
+    same plans and checks their totals). With model.scan_layers=true it takes seconds
+    (tests/observe/test_memory_plan.py plans Gemma 3 27B so). A compile for a GPU target needs
+    the gpu-compile extra, installed for the slow set; tracker lines run in
+    tests/observe/test_trackers.py by default."""
     large = "model=gemma3_27b" in line or "model=llama3_8b" in line
+    if large and "model.scan_layers=true" not in line:
+        return [pytest.mark.bench]
     gpu_compile = "plan.target=" in line and "training.dry_run=true" in line
-    trackers = "logging.trackers=" in line  # tests/observe/test_trackers.py runs them by default
-    return gpu_compile or trackers or (large and "model.scan_layers=true" not in line)
+    trackers = "logging.trackers=" in line
+    return [pytest.mark.slow] if gpu_compile or trackers else []
 
 
 PLAN_KEYS = {
@@ -39,7 +44,7 @@ PLAN_KEYS = {
     "flops_per_step",
 }
 COMMANDS = [
-    pytest.param(c, marks=[pytest.mark.slow] if is_slow(c.line) else [], id=f"{c.doc}:{c.lineno}")
+    pytest.param(c, marks=marks(c.line), id=f"{c.doc}:{c.lineno}")
     for doc in DOCS
     for c in doc_commands(doc)
 ]

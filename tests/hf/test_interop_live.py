@@ -55,8 +55,10 @@ def test_the_fixtures_are_what_transformers_computes(family, checkpoints, hf_tor
     now = hf_torch.reference(family, checkpoints[family])
     committed = tiny_hf.reference(family)
     assert set(now) == set(committed)
-    for name, value in now.items():  # the same arithmetic on the same machine type
-        np.testing.assert_allclose(committed[name], value, rtol=1e-6, atol=1e-6, err_msg=name)
+    # torch's kernels sum in another order on another CPU (AVX-512 or not): fp32 rounding, a
+    # tenth of the relative error meshtrain is allowed against these fixtures (LOGIT_TOLERANCE).
+    for name, value in now.items():
+        np.testing.assert_allclose(committed[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
