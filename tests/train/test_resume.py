@@ -4,6 +4,7 @@ tokenizer by its contents, and mixture shares that count what was drawn across a
 import copy
 import json
 import logging
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -252,6 +253,39 @@ def test_a_resume_with_another_tokenizer_is_refused_before_compiling(tmp_path, d
         "checkpoint.allow_changes=[data.tokenizer]"
     )
     assert not (tmp_path / "checkpoints" / "4").exists()
+
+
+def test_a_data_file_edited_in_place_is_refused_then_accepted_on_purpose(
+    tmp_path, documents, capsys
+):
+    data = tmp_path / "data"
+    shutil.copytree(documents / "a", data)
+    common = (f"data.paths=[{data}]", "checkpoint.every_steps=2", *FAST)
+    train_tiny(tmp_path / "run", *common, "training.steps=2")
+    with open(data / "3.txt", "a") as f:
+        f.write("a" * 10)
+    (data / "new.txt").write_text("a" * 30)
+    with pytest.raises(ConfigError) as err:
+        train_tiny(tmp_path / "run", *common, "training.steps=4")
+    checkpoint = tmp_path / "run" / "checkpoints" / "2"
+    assert str(err.value).startswith(
+        f'checkpoint {checkpoint} cannot be continued with this config: data.paths ["{data}"] → '
+        f'["{data}"] with other files (3.txt: 23 → 33 bytes; new.txt added); put the old value '
+        "back,"
+    )
+    assert str(err.value).endswith("checkpoint.allow_changes=[data.paths]")
+    assert not (tmp_path / "run" / "checkpoints" / "4").exists()
+    capsys.readouterr()
+    result = train_tiny(
+        tmp_path / "run", *common, "training.steps=4", "checkpoint.allow_changes=[data.paths]"
+    )
+    assert [h["step"] for h in result.history] == [3, 4]
+    assert (
+        f'resuming with changed settings: data.paths ["{data}"] → ["{data}"] with other files '
+        "(3.txt: 23 → 33 bytes; new.txt added) (checkpoint.allow_changes), training.steps 2 → 4\n"
+        in capsys.readouterr().out
+    )
+    assert (tmp_path / "run" / "checkpoints" / "4").is_dir()
 
 
 def test_changing_scan_layers_names_the_key(tmp_path):

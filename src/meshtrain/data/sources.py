@@ -96,7 +96,11 @@ def _files_under(directory: Path) -> list[Path]:
 
 
 def resolve_paths(
-    patterns: Sequence[str], *, key: str = "data.paths", records_only: bool = False
+    patterns: Sequence[str],
+    *,
+    key: str = "data.paths",
+    records_only: bool = False,
+    quiet: bool = False,
 ) -> tuple[list[Path], Path]:
     """Returns (the files named by `patterns`, sorted and de-duplicated, their root directory).
 
@@ -104,7 +108,7 @@ def resolve_paths(
     root is the common directory of the files' parents: document keys are paths relative to it.
     With `records_only` (chat and preference data: records, not documents), a directory or glob
     gives its .jsonl, .jsonl.gz and .parquet files, and the others it holds (a README) are passed
-    over with one log line; a file named on its own is taken as it is.
+    over with one log line (none when `quiet`); a file named on its own is taken as it is.
     """
     if not patterns:
         raise DataError(f"{key} is empty; give at least one file, directory or glob")
@@ -114,14 +118,14 @@ def resolve_paths(
         if globbing.has_magic(expanded):
             matched = [Path(m) for m in globbing.glob(expanded, recursive=True)]
             found = [f for m in matched for f in ([m] if m.is_file() else _files_under(m))]
-            found = _record_files(found, pattern, key) if records_only else found
+            found = _record_files(found, pattern, key, quiet) if records_only else found
             if not found:
                 raise DataError(
                     f"{key}: {pattern!r} matches no file; check the pattern (** matches any depth)"
                 )
         elif Path(expanded).is_dir():
             found = _files_under(Path(expanded))
-            found = _record_files(found, pattern, key) if records_only else found
+            found = _record_files(found, pattern, key, quiet) if records_only else found
             if not found:
                 held = "no .jsonl, .jsonl.gz or .parquet files" if records_only else "no files"
                 raise DataError(f"{key}: directory {pattern!r} holds {held}; add documents to it")
@@ -136,10 +140,10 @@ def resolve_paths(
     return ordered, Path(os.path.commonpath([f.parent for f in ordered]))
 
 
-def _record_files(found: list[Path], pattern: str, key: str) -> list[Path]:
+def _record_files(found: list[Path], pattern: str, key: str, quiet: bool) -> list[Path]:
     """The record files among `found` (what `pattern` expanded to); the others, logged."""
     kept = [f for f in found if document_format(f) in RECORD_FORMATS]
-    if passed := sorted(f.name for f in found if f not in kept):
+    if not quiet and (passed := sorted(f.name for f in found if f not in kept)):
         shown = ", ".join(passed[:5]) + (f" and {len(passed) - 5} more" if len(passed) > 5 else "")
         log.info(
             "%s: %r: passed over %d file(s) not of .jsonl, .jsonl.gz or .parquet: %s",

@@ -1,10 +1,12 @@
 """Whether a checkpoint can be continued by this run: its saved config compared with this one
 (meshtrain.config.resume holds which keys are refused, allowed or ignored), with the values the
-config alone does not show filled in: the global batch in sequences and the tokenizer's
-identity (its files' contents, not its path)."""
+config alone does not show filled in: the global batch in sequences, the tokenizer's identity
+(its files' contents, not its path) and the training data's (meshtrain.data.identity: each
+file's size and checksum, so that a file edited in place is a change of its config key)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Any
 
 from meshtrain.config.resume import compare, flatten, refusal
 from meshtrain.config.schema import Config
+from meshtrain.data.identity import data_identity, describe_change
 from meshtrain.data.shards import tokenizer_identity
 from meshtrain.errors import ConfigError
 from meshtrain.inference.lora_base import base_identity, compared_bases, reference_identity
@@ -21,12 +24,14 @@ log = logging.getLogger(__name__)
 
 def run_meta(cfg: Config) -> dict[str, Any]:
     """What each checkpoint's meta/ records of the run: its config, its tokenizer's identity
-    (None for synthetic data, which has no tokenizer), a LoRA run's base and a preference run's
-    reference copy of the starting weights (inference.lora_base)."""
+    (None for synthetic data, which has no tokenizer), its training data's identity, a LoRA
+    run's base and a preference run's reference copy of the starting weights
+    (inference.lora_base)."""
     synthetic = cfg.data.source == "synthetic"
     return {
         "config": asdict(cfg),
         "tokenizer": None if synthetic else tokenizer_identity(cfg.data.tokenizer),
+        "data_files": data_identity(cfg.data),
         "lora_base": base_identity(cfg),
         "reference": reference_identity(cfg),
     }
@@ -60,6 +65,20 @@ def _tokenizers(saved_meta: dict[str, Any], current: dict[str, Any]) -> tuple[st
     return old, new
 
 
+def _data_files(saved: dict, now: dict, saved_meta: dict, current: dict) -> None:
+    """Marks, in the flattened configs, a data key whose value is unchanged but whose files
+    are not: "["chats.jsonl"] → ["chats.jsonl"] with other files (chats.jsonl: 1,234 → 1,300
+    bytes)". Checkpoints saved before the data's identity was recorded are not compared."""
+    old_ids, new_ids = saved_meta.get("data_files"), current.get("data_files")
+    if not old_ids or not new_ids:
+        return
+    for key in old_ids.keys() & new_ids.keys():
+        change = describe_change(old_ids[key], new_ids[key])
+        if change and key in saved and saved[key] == now.get(key):
+            shown = json.dumps(saved[key]) if saved[key] is not None else "(the default corpus)"
+            saved[key], now[key] = shown, f"{shown} with other files ({change})"
+
+
 def check_resume(
     meta: dict[str, Any], path: Path, current: dict[str, Any], global_batch: int
 ) -> None:
@@ -72,6 +91,7 @@ def check_resume(
     saved = _compared(meta["config"], meta.get("global_batch"))
     now = _compared(cfg, global_batch)
     saved["data.tokenizer"], now["data.tokenizer"] = _tokenizers(meta, current)
+    _data_files(saved, now, meta, current)
     if meta.get("lora_base") or current.get("lora_base"):
         bases = compared_bases(meta.get("lora_base"), current.get("lora_base"))
         saved["model.lora.base"], now["model.lora.base"] = bases
