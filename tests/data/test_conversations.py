@@ -105,6 +105,26 @@ def test_overlong_conversations_are_cut_dropped_or_refused(chats, overlong, wind
     assert train.overlong == 20 and len(train) == windows
 
 
+@pytest.mark.parametrize(("seq_len", "cut", "lost"), [(19, 35, 20), (21, 20, 15), (23, 15, 0)])
+def test_answers_lost_to_truncation_are_counted(chats, seq_len, cut, lost, caplog):
+    # A cut conversation keeps its first seq_len + 1 tokens; it teaches nothing when no trained
+    # token (the answer, the end of turn) is among them after the first.
+    encoder = build_chat_encoder(str(GEMMA))
+    expected = [encoder.encode(_conversation(i)) for i in range(40)]
+    width = seq_len + 1
+    longer = [e for e in expected if len(e.ids) > width]
+    assert (len(longer), sum(not e.trained[1:width].any() for e in longer)) == (cut, lost)
+    caplog.set_level("INFO", logger="meshtrain")
+    train = _dataset(chats, f"data.seq_len={seq_len}")
+    assert (train.overlong, train.answers_lost) == (cut, lost)
+    tail = f"; {lost} of them lost every answer token to the cut and train nothing"
+    line = (
+        f"data: {cut} of 40 train conversations truncated to data.seq_len + 1 = {width} "
+        f"tokens (data.overlong=truncate){tail if lost else ''}"
+    )
+    assert line in caplog.messages
+
+
 def test_a_bad_record_is_named_by_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     rows = [_conversation(0), {"messages": [{"role": "bot", "content": "hi"}]}, {"text": "x"}]

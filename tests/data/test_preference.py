@@ -12,7 +12,7 @@ from helpers.paths import REPO
 
 from meshtrain.data.chat import build_chat_encoder
 from meshtrain.data.chat_data import flagged_ids, preference_options_for, record_keys
-from meshtrain.data.conversations import truncated_pair
+from meshtrain.data.conversations import PackedConversations, truncated_pair
 from meshtrain.data.flags import DOCUMENT_START, ID_BITS, NOT_TRAINED
 from meshtrain.data.preference import (
     PairEncoder,
@@ -169,7 +169,6 @@ def test_a_long_pair_is_cut_at_the_end_of_each_sequence():
 def test_pairs_pack_whole_into_sequences(tmp_path):
     """A prepared corpus of pairs packs each pair into one sequence, never split between two."""
     from meshtrain.data.chat_data import preference_options_for as options_for
-    from meshtrain.data.conversations import PackedConversations
     from meshtrain.data.corpus_cache import tokenised_corpus
 
     records = [
@@ -213,3 +212,20 @@ def test_pairs_pack_whole_into_sequences(tmp_path):
     starts = [np.flatnonzero(packed[i] & DOCUMENT_START) for i in range(len(packed))]
     assert sum(len(s) for s in starts) == 24  # every pair's two sequences, whole
     assert all(len(s) % 2 == 0 for s in starts)  # no pair split between two sequences
+    assert (packed.overlong, packed.answers_lost) == (0, 0)
+    # Cut: each sequence keeps its start; a pair whose cut reaches into an answer's prompt
+    # half leaves that answer nothing to train (the prompt is never trained).
+    unit = corpus.read(0, 0, int(corpus.lengths[0]))
+    chosen = unit[: pair_bounds(unit)]
+    prompt = 1 + int(np.flatnonzero((chosen[1:] & NOT_TRAINED) == 0)[0])  # first answer token
+    for width, lost in ((len(unit) - 1, 0), (2 * prompt, 12)):
+        cut = PackedConversations(
+            [(corpus, np.arange(12))],
+            seq_len=width - 1,
+            pad_id=0,
+            vocab_size=512,
+            split="train",
+            overlong="truncate",
+            pairs=True,
+        )
+        assert (cut.overlong, cut.answers_lost) == (12, lost)

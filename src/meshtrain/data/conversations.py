@@ -9,7 +9,9 @@ tokens by meshtrain.data.chat_data; padding too), DOCUMENT_START on each convers
 
 A conversation longer than a window is cut to the window (data.overlong=truncate: its trained
 tokens past the cut are lost), left out (drop) or a one-line error (error); the count is kept in
-`overlong` for the log. Nothing is materialised: memory holds a few arrays per conversation.
+`overlong` for the log, and `answers_lost` counts the cut ones left with no trained token (or,
+for a pair, an answer without one), which then teach nothing. Nothing is materialised: memory
+holds a few arrays per conversation.
 
 With `pairs` (preference data), each stored unit is a pair, chosen then rejected
 (meshtrain.data.preference), packed whole like a conversation; a pair longer than a window is
@@ -85,6 +87,9 @@ class PackedConversations:
         self._corpus, self._document = corpus[keep], document[keep]
         self._full_lengths = lengths[keep]  # [n] the stored lengths, before any cut
         self._lengths = np.minimum(lengths[keep], width)  # [n] tokens taken of each
+        self.answers_lost = 0  # truncated units left without a trained token (pairs: an answer)
+        for c in np.flatnonzero(self._lengths < self._full_lengths):
+            self.answers_lost += not _trains(self._unit(int(c)), pairs)
         self._ends = np.cumsum(self._lengths)  # [n]
         self._firsts = greedy_windows(self._lengths, width)  # [windows + 1]
         self.num_documents = len(self._lengths)
@@ -100,15 +105,30 @@ class PackedConversations:
         at = 0
         for c in range(int(self._firsts[index]), int(self._firsts[index + 1])):
             length = int(self._lengths[c])
-            corpus = self._corpora[int(self._corpus[c])]
-            if self.pairs and length < self._full_lengths[c]:
-                unit = corpus.read(int(self._document[c]), 0, int(self._full_lengths[c]))
-                out[at : at + length] = truncated_pair(unit, length)
-            else:
-                out[at : at + length] = corpus.read(int(self._document[c]), 0, length)
+            out[at : at + length] = self._unit(c)
             out[at] |= DOCUMENT_START
             at += length
         return out
+
+    def _unit(self, c: int) -> np.ndarray:
+        """int32 [tokens taken]: conversation (or pair) c as it is packed, cut if overlong."""
+        length = int(self._lengths[c])
+        corpus = self._corpora[int(self._corpus[c])]
+        if self.pairs and length < self._full_lengths[c]:
+            unit = corpus.read(int(self._document[c]), 0, int(self._full_lengths[c]))
+            return truncated_pair(unit, length)
+        return corpus.read(int(self._document[c]), 0, length)
+
+
+def _trains(unit: np.ndarray, pairs: bool) -> bool:
+    """Whether a packed unit still has a target of the loss: a token after its first without
+    NOT_TRAINED (a pair: in each of its two answers)."""
+    trained = (unit & NOT_TRAINED) == 0  # [tokens]
+    trained[0] = False  # a unit's first token is predicted from nothing of it
+    if not pairs:
+        return bool(trained.any())
+    split = pair_bounds(unit)
+    return bool(trained[:split].any() and trained[split + 1 :].any())
 
 
 def truncated_pair(unit: np.ndarray, width: int) -> np.ndarray:

@@ -205,15 +205,21 @@ def _packed(
         )
         if packed.overlong:
             done = "truncated to" if cfg.overlong == "truncate" else "left out: longer than"
+            kind = "pairs" if packed.pairs else "conversations"
+            lost = ""
+            if packed.answers_lost:
+                what = "an answer" if packed.pairs else "every answer token"
+                lost = f"; {packed.answers_lost} of them lost {what} to the cut and train nothing"
             log.info(
-                "data: %d of %d %s %s %s data.seq_len + 1 = %d tokens (data.overlong=%s)",
+                "data: %d of %d %s %s %s data.seq_len + 1 = %d tokens (data.overlong=%s)%s",
                 packed.overlong,
                 sum(len(docs) for _, docs in parts),
                 split,
-                "pairs" if packed.pairs else "conversations",
+                kind,
                 done,
                 cfg.seq_len + 1,
                 cfg.overlong,
+                lost,
             )
         return packed
     return PackedDocuments(
