@@ -1,11 +1,13 @@
-"""logging.trackers: the names, and a missing package as one line naming the extra to install."""
+"""logging.trackers: the names, a missing package as one line naming the extra to install, and
+the W&B login and MLflow store checked before anything compiles."""
 
+from pathlib import Path
 from typing import get_args
 
 import pytest
 
 from meshtrain.config import trackers
-from meshtrain.config.trackers import LoggingConfig, WandbConfig, check_logging
+from meshtrain.config.trackers import LoggingConfig, MlflowConfig, WandbConfig, check_logging
 from meshtrain.errors import ConfigError
 
 
@@ -78,3 +80,40 @@ def test_wandb_online_without_a_login_is_one_line_before_compiling(tmp_path, mon
         "offline with logging.wandb.mode=offline (`wandb sync` uploads it later)"
     )
     check_logging(LoggingConfig(trackers=["wandb"], wandb=WandbConfig(mode="offline")))
+
+
+def test_an_mlflow_store_it_could_not_open_is_one_line_before_compiling(tmp_path, monkeypatch):
+    problem = trackers.mlflow_store_problem
+    assert problem(MlflowConfig(), {}) is None  # the run's own database, in the run directory
+    assert problem(MlflowConfig(tracking_uri="http://mlflow.example:5000"), {}) is None
+    assert problem(MlflowConfig(), {"MLFLOW_TRACKING_URI": "databricks"}) is None
+    new_dirs = f"sqlite:///{tmp_path}/a/b/mlflow.db"  # directories MLflow makes
+    assert problem(MlflowConfig(tracking_uri=new_dirs), {}) is None
+    for uri in (f"file://{tmp_path}/mlruns", "./mlruns"):
+        assert problem(MlflowConfig(tracking_uri=uri), {}) == (
+            f"logging.mlflow.tracking_uri={uri} is an MLflow file store, which MLflow refuses "
+            "(maintenance mode); use a database such as sqlite:///<dir>/mlflow.db (or leave it "
+            "unset: the run's own mlflow.db), or set MLFLOW_ALLOW_FILE_STORE=true to use the "
+            "file store anyway"
+        )
+        assert problem(MlflowConfig(tracking_uri=uri), {"MLFLOW_ALLOW_FILE_STORE": "true"}) is None
+    # A directory this process cannot write (simulated: the tests run as root, whom no file
+    # mode stops), named by the variable that set it.
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = trackers.os.access
+    monkeypatch.setattr(
+        trackers.os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode)
+    )
+    uri = f"sqlite:///{locked}/sub/mlflow.db"
+    assert problem(MlflowConfig(), {"MLFLOW_TRACKING_URI": uri}) == (
+        f"MLFLOW_TRACKING_URI={uri}: {locked} is not writable, so MLflow cannot write its "
+        "database; give a database in a writable directory (sqlite:///<dir>/mlflow.db), or "
+        "leave it unset for the run's own mlflow.db"
+    )
+    # check_logging, as a run calls it before anything compiles (the package taken as installed).
+    monkeypatch.setattr(trackers, "missing_package", lambda tracker: None)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with pytest.raises(ConfigError, match=r"^MLFLOW_TRACKING_URI=sqlite:.* is not writable"):
+        check_logging(LoggingConfig(trackers=["mlflow"]))
+    check_logging(LoggingConfig(trackers=["tensorboard"]))  # MLflow's settings not read

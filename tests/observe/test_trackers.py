@@ -12,6 +12,7 @@ import pytest
 from helpers.runs import SMALL_RUN, train_tiny
 
 from meshtrain.config.trackers import LoggingConfig
+from meshtrain.errors import ConfigError
 from meshtrain.observe import trackers
 from meshtrain.observe.run_info import RunInfo, flat_config, metric_tag, run_name
 from meshtrain.observe.tensorboard import config_table
@@ -84,8 +85,14 @@ def test_a_tracker_that_fails_to_open_closes_those_opened_before(monkeypatch, tm
         },
     )
     run = RunInfo(run_dir=tmp_path, name="tiny/x", experiment="tiny")
-    with pytest.raises(RuntimeError, match="mlflow cannot open"):
+    with pytest.raises(ConfigError) as err:
         trackers.open_trackers(LoggingConfig(trackers=["tensorboard", "wandb", "mlflow"]), run)
+    assert str(err.value) == (
+        "logging.trackers: mlflow could not start its run (RuntimeError: mlflow cannot open); "
+        "fix logging.mlflow's settings, or drop mlflow from logging.trackers "
+        "(MESHTRAIN_DEBUG=1 shows the traceback)"
+    )
+    assert isinstance(err.value.__cause__, RuntimeError)
     assert closed == ["tensorboard failed=True", "wandb failed=True"]
 
 

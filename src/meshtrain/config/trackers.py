@@ -15,6 +15,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
+from pathlib import Path
 from urllib.parse import urlparse
 
 from meshtrain.errors import ConfigError, require
@@ -105,6 +106,8 @@ def check_logging(logging: LoggingConfig) -> None:
         mode is None or mode in modes,
         f"logging.wandb.mode={mode!r} is not supported; use one of: {', '.join(modes)}",
     )
+    if "mlflow" in logging.trackers and (problem := mlflow_store_problem(logging.mlflow)):
+        raise ConfigError(problem)
     if "wandb" in logging.trackers and (host := wandb_login_missing(logging.wandb)):
         raise ConfigError(
             f"logging.trackers: wandb logs online but finds no login for {host} (no "
@@ -129,3 +132,48 @@ def wandb_login_missing(
     except (OSError, netrc.NetrcParseError):
         found = None
     return None if found else host
+
+
+def mlflow_store_problem(
+    settings: MlflowConfig, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """The one line that refuses an MLflow store the run could not open, checked before
+    anything compiles (None: nothing found): a file store (a `file:` URI or a bare path), which
+    MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE=true, or an SQLite database whose file or
+    directory this process cannot write. A server's URI is not checked (that needs the
+    network); the run's own default store is in the run directory, checked with it."""
+    environ = os.environ if environ is None else environ
+    uri = settings.tracking_uri or environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return None
+    key = "logging.mlflow.tracking_uri" if settings.tracking_uri else "MLFLOW_TRACKING_URI"
+    parsed = urlparse(uri)
+    bare_path = not parsed.scheme and uri != "databricks"  # MLflow reads a bare path as files
+    file_store = parsed.scheme == "file" or bare_path
+    allowed = environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1")
+    if file_store and not allowed:
+        return (
+            f"{key}={uri} is an MLflow file store, which MLflow refuses (maintenance mode); use "
+            "a database such as sqlite:///<dir>/mlflow.db (or leave it unset: the run's own "
+            "mlflow.db), or set MLFLOW_ALLOW_FILE_STORE=true to use the file store anyway"
+        )
+    if parsed.scheme != "sqlite" or not uri.startswith("sqlite:///"):
+        return None
+    database = Path(uri.removeprefix("sqlite:///"))  # sqlite:////abs/path: an absolute path
+    existing = database if database.exists() else _nearest_existing(database.parent)
+    if existing is not None and not os.access(existing, os.W_OK):
+        return (
+            f"{key}={uri}: {existing} is not writable, so MLflow cannot write its database; "
+            "give a database in a writable directory (sqlite:///<dir>/mlflow.db), or leave "
+            "it unset for the run's own mlflow.db"
+        )
+    return None
+
+
+def _nearest_existing(path: Path) -> Path | None:
+    """`path` or its nearest ancestor that exists (the directory a new file would be made
+    in, after any missing directories)."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate
+    return None

@@ -53,10 +53,23 @@ def open_trackers(settings: LoggingConfig, run: RunInfo) -> list[Tracker]:
                     f"logging.trackers: {name} cannot import {err.name}; "
                     f"pip install -e '.[{EXTRA}]', or drop {name} from logging.trackers"
                 ) from err
+            except ConfigError:
+                raise
+            except Exception as err:  # a server that refused, a store that cannot be opened
+                raise ConfigError(
+                    f"logging.trackers: {name} could not start its run ({_first_line(err)}); "
+                    f"fix logging.{name}'s settings, or drop {name} from logging.trackers "
+                    "(MESHTRAIN_DEBUG=1 shows the traceback)"
+                ) from err
     except BaseException:
         close_trackers(opened, failed=True)
         raise
     return opened
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 def close_trackers(trackers: Sequence[Tracker], *, failed: bool) -> None:
