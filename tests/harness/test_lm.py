@@ -154,3 +154,22 @@ def test_evaluate_in_place_reuses_its_programs_for_new_parameters(loaded, caplog
         second = evaluate_in_place(rebuilt, tokenizer, TASKS, **options)
     assert _compiles(caplog) == []
     assert second == first
+
+
+def test_a_hugging_face_checkpoint_takes_bos_as_its_tokenizer_adds_it(tmp_path, caplog):
+    # Both tokenizers define <bos> (id 1); only the first one's tokenizer.json adds it.
+    caplog.set_level(logging.INFO, logger="meshtrain.harness")
+    for bos in (True, False):
+        directory = write_tiny_llama(tmp_path / str(bos), bos=bos)
+        lm = MeshtrainLM(checkpoint=str(directory), batch_tokens=1024)
+        assert lm.add_bos_token is bos
+        ids = lm.tok_encode("def f")
+        assert (ids[0] == 1) is bos and lm.tok_encode("def f", add_special_tokens=True)[0] == 1
+        said = "start with" if bos else "do not start with"
+        assert f"evaluation: requests {said} bos, as the tokenizer's own rule says" in caplog.text
+    forced = MeshtrainLM(checkpoint=str(directory), batch_tokens=1024, add_bos_token=True)
+    assert forced.add_bos_token and forced.tok_encode("def f")[0] == 1
+
+
+def test_a_loaded_meshtrain_model_starts_requests_with_bos_as_it_was_trained(lm):
+    assert lm.add_bos_token and lm.tok_encode("def f")[0] == lm.meshtrain_tokenizer.bos_id

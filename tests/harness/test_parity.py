@@ -71,6 +71,27 @@ def test_the_task_metrics_are_the_same(both):
             ), (task, name)
 
 
+def test_a_tokenizer_that_defines_bos_but_does_not_add_it_scores_as_hf(tmp_path):
+    """lm-eval's hf model follows the tokenizer's own rule; so does meshtrain on a Hugging Face
+    checkpoint (a bos added where the tokenizer adds none moves every log-likelihood)."""
+    from lm_eval.models.huggingface import HFLM
+
+    checkpoint = write_tiny_llama(tmp_path / "llama", bos=False)
+    ours = MeshtrainLM(checkpoint=str(checkpoint), batch_tokens=1024)
+    theirs = HFLM(pretrained=str(checkpoint), dtype="float32", device="cpu", batch_size=8)
+    assert not ours.add_bos_token
+    manager = task_manager(["meshtrain_choice"], [EXAMPLE_TASKS])
+    mine, reference = (
+        _responses(
+            evaluate_tasks(lm, manager, ["meshtrain_choice"], bootstrap_iters=0, log_samples=True),
+            "meshtrain_choice",
+        )
+        for lm in (ours, theirs)
+    )
+    assert len(mine) == len(reference) >= 8
+    np.testing.assert_allclose([s for s, _ in mine], [s for s, _ in reference], rtol=RELATIVE)
+
+
 def test_generate_until_is_transformers_greedy_generation_with_its_stop_strings(checkpoint, ours):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -146,6 +146,12 @@ class HFTokenizer:
         encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, np.int32) for e in encodings]
 
+    def adds_bos(self) -> bool:
+        """Whether the tokenizer.json's own rule (its post-processor) starts a text with bos,
+        as transformers' tokenizer does when asked for its special tokens."""
+        ids = self._tokenizer.encode("a", add_special_tokens=True).ids
+        return self.bos_id >= 0 and ids[:1] == [self.bos_id]
+
     def encode_with_offsets(
         self, text: str, *, add_special_tokens: bool = False
     ) -> tuple[np.ndarray, np.ndarray]:

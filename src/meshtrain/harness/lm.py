@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,8 @@ from meshtrain.harness.packing import pack
 from meshtrain.inference.load import checkpoint_config, load_model, load_tokenizer
 from meshtrain.models.transformer import Transformer
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's, for a model whose config names none
 
 
@@ -65,6 +68,18 @@ def model_max_length(path: str | Path) -> int:
     return int(text.get("max_position_embeddings") or DEFAULT_MAX_LENGTH)
 
 
+def _hugging_face(directory: Path) -> bool:
+    """Whether `directory` is a Hugging Face checkpoint (its config.json names no meshtrain
+    model), not a meshtrain checkpoint or safetensors export, which were trained with bos."""
+    if find_checkpoints(directory):
+        return False
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return not isinstance(config.get("model"), dict)
+
+
 @register_model("meshtrain")
 class MeshtrainLM(TemplateLM):
     """lm-eval's model interface over a meshtrain model; see the module's docstring."""
@@ -83,6 +98,15 @@ class MeshtrainLM(TemplateLM):
         model = load_model(directory, options.mesh_shape, dtype=dtype)
         if options.max_length is None:
             options = dataclasses.replace(options, max_length=model_max_length(directory))
+        if options.add_bos_token is None and _hugging_face(directory):
+            adds_bos = getattr(tokenizer, "adds_bos", None)  # a tokenizer.json's rule
+            if adds_bos is not None:
+                options = dataclasses.replace(options, add_bos_token=adds_bos())
+                log.info(
+                    "evaluation: requests %s bos, as the tokenizer's own rule says (lm-eval's "
+                    "hf model follows it too); model_args add_bos_token=true|false decides",
+                    "start with" if options.add_bos_token else "do not start with",
+                )
         self._start(model, tokenizer, options)
 
     @classmethod

@@ -40,8 +40,10 @@ class ModelArgs:
     """tokens per scoring batch: rows × row length, the rows a multiple of the devices the batch
     is split over"""
     add_bos_token: bool | None = None
-    """start every request with the tokenizer's bos token; default: yes if it has one (as
-    meshtrain trains: bos + document + eos)"""
+    """start every request with the tokenizer's bos token; default: for a Hugging Face
+    checkpoint, as its tokenizer.json's own rule says (as lm-eval's hf model); for a meshtrain
+    checkpoint or export, yes if the tokenizer has one (as meshtrain trains: bos + document +
+    eos)"""
     max_gen_toks: int = 256
     """generate_until's token limit when a task sets none (lm-eval's default)"""
 
