@@ -131,6 +131,23 @@ def test_composed_config_is_typed():
     assert cfg.experiment.name == "tiny"
 
 
+@pytest.mark.parametrize(
+    ("overrides", "name"),
+    [
+        ((), "tiny"),
+        (("model=qwen3_0_6b",), "qwen3_0_6b"),
+        (("data=chat",), "tiny-chat"),
+        (("data=chat", "model.lora.rank=8"), "tiny-chat-lora"),
+        (("data=chat", "model.lora.rank=8", "model.lora.base_dtype=nf4"), "tiny-chat-qlora"),
+        (("data=preference", "objective=dpo"), "tiny-dpo"),
+        (("data=preference", "objective=dpo", "model.lora.rank=4"), "tiny-dpo-lora"),
+        (("data=chat", "experiment.name=mine"), "mine"),
+    ],
+)
+def test_a_run_is_named_after_what_it_does_to_the_model(overrides, name):
+    assert compose_config(*overrides).experiment.name == name
+
+
 def test_experiment_recipe_sets_mesh_and_batch():
     cfg = compose_config("experiment=tiny_fsdp")
     assert cfg.experiment.name == "tiny_fsdp"

@@ -15,8 +15,27 @@ from meshtrain.errors import ConfigError, did_you_mean
 
 
 def register_configs() -> None:
-    """Registers the schema so that configs/*.yaml are type-checked against it."""
+    """Registers the schema so that configs/*.yaml are type-checked against it, and the
+    resolver of configs/config.yaml's default experiment.name."""
     ConfigStore.instance().store(name="config_schema", node=Config)
+    OmegaConf.register_new_resolver("meshtrain.run_name", run_name, replace=True)
+
+
+QUANTISED_BASES = ("int8", "nf4")  # model.lora.base_dtype values that make LoRA QLoRA
+
+
+def run_name(model: str, source: str, objective: str, lora_rank: int, base_dtype: str) -> str:
+    """The default experiment.name (the folder under outputs/): the model's name, then what
+    the run does to it when it is not pretraining: its objective (dpo) or chat data (chat),
+    and its adapters (lora, qlora). tiny, tiny-chat, qwen3_0_6b-chat-qlora, tiny-dpo-lora."""
+    parts = [model]
+    if objective != "lm":
+        parts.append(objective)
+    elif source == "chat":
+        parts.append("chat")
+    if int(lora_rank) > 0:
+        parts.append("qlora" if base_dtype in QUANTISED_BASES else "lora")
+    return "-".join(parts)
 
 
 def _section(field: dataclasses.Field) -> type | None:
