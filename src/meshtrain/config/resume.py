@@ -92,6 +92,7 @@ ALLOWED = (
     "model.lora.dropout",
     "data.validation_paths",
     "training.steps",
+    "training.epochs",
     "training.micro_batch_size",
     "training.gradient_accumulation_steps",
     "training.sync_gradients_every",

@@ -254,7 +254,9 @@ class PipelineConfig:
 @dataclass
 class TrainingConfig:
     steps: int = 200
-    """Number of optimizer updates."""
+    """Number of optimizer updates (replaced by training.epochs where that is set)."""
+    epochs: float | None = None
+    """Passes over the training sequences instead of training.steps: steps = ceil(epochs × sequences / global batch), once the data is read (logged); not with data.mixture, which draws by weight. null: training.steps."""
     micro_batch_size: int = 8
     """Sequences per batch shard (per device along dp×fsdp) per micro-batch."""
     gradient_accumulation_steps: int = 1

@@ -14,8 +14,8 @@ import netrc
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, get_args
 from pathlib import Path
+from typing import Literal, get_args
 from urllib.parse import urlparse
 
 from meshtrain.errors import ConfigError, require

@@ -214,6 +214,13 @@ def check_config(cfg: Config) -> None:
     )
     if training.global_batch_size is not None:
         _positive("training.global_batch_size", training.global_batch_size)
+    if training.epochs is not None:
+        _positive("training.epochs", training.epochs)
+        require(
+            not data.mixture,
+            f"training.epochs={training.epochs} cannot apply to data.mixture, which draws its "
+            "sources by weight (no pass over them ends); set training.steps instead",
+        )
     for key, value in (
         ("data.cache_dir", data.cache_dir),
         ("training.compilation_cache_dir", training.compilation_cache_dir),

@@ -69,6 +69,10 @@ class DeviceBatches:
         """Each mixture source's share of the steps before `step` (BatchIterator.shares)."""
         return self._batches.shares(step)
 
+    def position(self, step: int) -> int:
+        """The stream position of iterator step `step`'s first sequence (BatchIterator)."""
+        return self._batches.position(step)
+
     def get_state(self) -> dict:
         if self._state_before_ahead is not None:
             return self._state_before_ahead

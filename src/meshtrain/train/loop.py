@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from meshtrain.checkpoint import RunCheckpoints
 from meshtrain.config.run_record import keep_run_record
 from meshtrain.config.schema import Config
-from meshtrain.data import BatchIterator
+from meshtrain.data import BatchIterator, MixedDataset
 from meshtrain.distributed.preemption import StopSignals
 from meshtrain.inference.initial_weights import check_initial_weights, load_initial_params
 from meshtrain.inference.lora_base import initial_adapters, load_frozen_base
@@ -32,6 +32,7 @@ from meshtrain.train.batch import DeviceBatches, process_rows
 from meshtrain.train.evaluation import make_evaluator
 from meshtrain.train.hooks import AnyOf, Cadence, Hook, HookRunner, StepInfo
 from meshtrain.train.hooks.checkpoint import NonfiniteGuard, SaveCheckpoint
+from meshtrain.train.hooks.epochs import EpochLog
 from meshtrain.train.hooks.harness import harness_tasks
 from meshtrain.train.hooks.profiler import Profiler
 from meshtrain.train.hooks.step_metrics import StepClock, StepMetrics
@@ -281,7 +282,10 @@ def _metrics_hooks(
     guard = NonfiniteGuard(
         AnyOf((record, saves.cadence)), mode=training.nonfinite, checkpoints=checkpoints
     )
-    return [step_metrics, guard]
+    data = setup.train_data
+    if data is None or isinstance(data, MixedDataset):  # a mixture has no epochs
+        return [step_metrics, guard]
+    return [step_metrics, guard, EpochLog(len(data), setup.global_batch, batches.position)]
 
 
 def _write(

@@ -165,7 +165,7 @@ def prepare(
                 "data: no validation sequences (no document held out); val_loss is not logged"
             )
         validation_data = None
-    return Setup(
+    setup = Setup(
         cfg,
         mesh_spec,
         mesh,
@@ -176,6 +176,17 @@ def prepare(
         dataclasses.replace(reading, pad_id=train_data.pad_id),
         pipeline,
     )
+    if cfg.training.epochs is not None:
+        steps = epoch_steps(cfg.training.epochs, len(train_data), setup.global_batch)
+        training = dataclasses.replace(cfg.training, steps=steps)
+        setup.cfg = dataclasses.replace(cfg, training=training)  # recorded with its checkpoints
+    return setup
+
+
+def epoch_steps(epochs: float, sequences: int, global_batch: int) -> int:
+    """training.steps of training.epochs passes over `sequences` training sequences: the
+    updates that draw epochs × sequences of them, the last one whole."""
+    return max(1, math.ceil(epochs * sequences / global_batch - 1e-9))
 
 
 def _check_objective_on_mesh(
@@ -278,6 +289,13 @@ def describe(setup: Setup) -> None:
             cfg.data.source,
             masking,
         )
+        if cfg.training.epochs is not None:
+            log.info(
+                "training.epochs=%g: %d steps of %d sequences (training.steps)",
+                cfg.training.epochs,
+                cfg.training.steps,
+                setup.global_batch,
+            )
         if len(setup.train_data) < setup.global_batch:
             log.warning(
                 "data: %d training sequences, fewer than one global batch of %d: each batch "
