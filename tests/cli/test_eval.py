@@ -47,6 +47,11 @@ def test_bad_input_is_one_line(tmp_path):
         "meshtrain: error: model_args key 'batch_tokenz' does not exist (did you mean "
         f"'batch_tokens'?); the keys are {KEYS}"
     )
+    result = module_command("meshtrain.eval", [tmp_path, "--tasks", "t", "--fewshot-as-multiturn"])
+    assert _error(result) == (
+        "meshtrain: error: --fewshot-as-multiturn lays the few-shot examples out as chat turns; "
+        "add --apply-chat-template"
+    )
 
 
 def test_without_lm_eval_the_input_is_checked_first_then_named(tmp_path, monkeypatch):

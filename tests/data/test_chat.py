@@ -493,3 +493,21 @@ def test_helpers_render_as_in_transformers(auto_tokenizer, tmp_path):
     messages = [{"role": "user", "content": '<b>"é"</b>'}, ASSISTANT]
     theirs = auto_tokenizer(tmp_path).apply_chat_template(messages, tokenize=False)
     assert build_chat_encoder(str(tmp_path)).render(messages) == theirs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_continued_final_message_ends_where_its_content_does(family):
+    # transformers' continue_final_message: the chat rendered whole, cut right after the last
+    # message's content (no end of turn); a template that trims it (Gemma's | trim) included.
+    template = load_chat_template(str(FIXTURES / family))
+    kwargs = EXPECTED[family]["template_kwargs"]
+    whole = template.render([USER, ASSISTANT], **kwargs)
+    continued = template.render([USER, ASSISTANT], continue_final_message=True, **kwargs)
+    assert continued == whole[: whole.rindex("Hello!") + len("Hello!")]
+    assert (
+        continued.endswith("Hello!") and CLOSE[family] not in continued[-len(CLOSE[family]) - 8 :]
+    )
+    spaced = template.render(
+        [USER, {"role": "assistant", "content": "Hello!  "}], continue_final_message=True, **kwargs
+    )  # trailing spaces: kept where the template keeps them (Gemma's and Llama's trim them)
+    assert spaced == continued + ("  " if family == "qwen3" else "")

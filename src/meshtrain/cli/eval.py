@@ -78,6 +78,17 @@ def _parser() -> argparse.ArgumentParser:
         "--log-samples", action="store_true", help="keep each request's responses in the JSON"
     )
     parser.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        help="render each prompt with the tokenizer's chat template, as lm-eval's "
+        "--apply_chat_template (for chat and instruction-tuned models)",
+    )
+    parser.add_argument(
+        "--fewshot-as-multiturn",
+        action="store_true",
+        help="with --apply-chat-template: the few-shot examples as turns of the chat",
+    )
+    parser.add_argument(
         "--bootstrap-iters",
         type=int,
         default=100000,
@@ -111,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         if not tasks:
             raise ConfigError("--tasks names no task")
+        if args.fewshot_as_multiturn and not args.apply_chat_template:
+            raise ConfigError(
+                "--fewshot-as-multiturn lays the few-shot examples out as chat turns; add "
+                "--apply-chat-template"
+            )
         model_args = split_model_args(args.model_args)
         if "checkpoint" in model_args or "mesh_shape" in model_args:
             raise ConfigError(
@@ -140,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                 bootstrap_iters=args.bootstrap_iters,
                 log_samples=args.log_samples,
                 model_args=model_args,
+                apply_chat_template=args.apply_chat_template,
+                fewshot_as_multiturn=args.fewshot_as_multiturn,
             )
         except ConfigError:
             raise

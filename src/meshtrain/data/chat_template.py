@@ -39,13 +39,22 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
         """The text of `messages` as transformers' apply_chat_template(tokenize=False) renders
-        it; `kwargs` (date_string, enable_thinking...) override the special tokens. A template
-        that raises (raise_exception, a Jinja or Python error) is a one-line DataError."""
+        it; `kwargs` (date_string, enable_thinking...) override the special tokens. With
+        `continue_final_message` the text ends where the last message's content does (no end
+        of turn after it), as transformers cuts it: at a tag appended to that content. A
+        template that raises (raise_exception, a Jinja or Python error) is a one-line
+        DataError."""
+        if continue_final_message:
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise DataError("continue_final_message needs a last message with text content")
+            last = {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}
+            messages = [*messages[:-1], last]
         try:
-            return _compile(self.text).render(
+            text = _compile(self.text).render(
                 messages=messages,
                 tools=None,
                 documents=None,
@@ -56,6 +65,18 @@ class ChatTemplate:
             raise DataError(
                 f"the chat template {self.origin} cannot render this conversation: {one_line(e)}"
             ) from None
+        if not continue_final_message:
+            return text
+        at = text.rfind(_CONTINUE_TAG.strip())
+        if at < 0:
+            raise DataError(
+                f"the chat template {self.origin} drops part of the last message, which "
+                "continue_final_message continues"
+            )
+        return text[:at] if text[at:].startswith(_CONTINUE_TAG) else text[:at].rstrip()
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker of the message continued
 
 
 def load_chat_template(tokenizer: str, override: str | None = None) -> ChatTemplate:

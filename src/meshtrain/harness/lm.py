@@ -38,8 +38,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from meshtrain.checkpoint.layout import find_checkpoints
+from meshtrain.data.chat_template import ChatTemplate, load_chat_template
 from meshtrain.data.tokenizer import Tokenizer, build_tokenizer
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, DataError
 from meshtrain.harness.engine import Engine, Generation
 from meshtrain.harness.options import ModelArgs, parse_model_args
 from meshtrain.harness.packing import pack
@@ -133,6 +134,7 @@ class MeshtrainLM(TemplateLM):
         self.meshtrain_tokenizer = tokenizer
         self.options = options
         self._max_length = options.max_length or DEFAULT_MAX_LENGTH
+        self._template: ChatTemplate | None = None  # loaded when a task asks for it
         has_bos = tokenizer.bos_id >= 0
         self.add_bos_token = has_bos if options.add_bos_token is None else options.add_bos_token
         if self.add_bos_token and not has_bos:
@@ -174,6 +176,46 @@ class MeshtrainLM(TemplateLM):
         if add_special_tokens is None and ids[:1] == [bos]:
             add = False
         return [bos, *ids] if add and bos >= 0 else ids
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The Jinja source of the tokenizer's chat template (what lm-eval records); None when
+        not asked for (lm-eval's --apply_chat_template off)."""
+        return self._chat_template().text if chat_template else None
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text of `chat_history` as lm-eval's hf model renders it: the chat
+        template with the assistant's turn opened (add_generation_prompt), or the last
+        (assistant) message continued; a template that refuses a system turn is rendered
+        without it, as the hf model retries."""
+        template = self._chat_template()
+        options = dict(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
+        try:
+            return template.render(chat_history, **options)
+        except DataError:
+            without_system = [m for m in chat_history if m["role"] != "system"]
+            if len(without_system) == len(chat_history):
+                raise
+            log.warning("the chat template refused this chat; rendering it without the system role")
+            return template.render(without_system, **options)
+
+    def _chat_template(self) -> ChatTemplate:
+        if self._template is None:
+            files = getattr(self.meshtrain_tokenizer, "source_files", ())
+            if not files:
+                raise ConfigError(
+                    "--apply-chat-template: the byte tokenizer has no chat template; evaluate "
+                    "a checkpoint whose tokenizer has one, or leave the flag out"
+                )
+            try:
+                self._template = load_chat_template(str(files[0]))
+            except DataError as err:
+                raise ConfigError(f"--apply-chat-template: {err}") from None
+        return self._template
 
     def tok_decode(self, ids: list[int]) -> str:
         return self.meshtrain_tokenizer.decode(ids)

@@ -108,6 +108,8 @@ def run_tasks(
     bootstrap_iters: int = 100000,
     log_samples: bool = False,
     model_args: dict[str, Any] | None = None,
+    apply_chat_template: bool = False,
+    fewshot_as_multiturn: bool = False,
 ) -> dict[str, Any] | None:
     """lm-eval's results of `tasks` for `lm` (its results dict: results, configs, versions,
     n-shot, ...; with log_samples each request's responses too). On process 0; a multi-process
@@ -126,6 +128,8 @@ def run_tasks(
             num_fewshot=num_fewshot,
             bootstrap_iters=bootstrap_iters,
             log_samples=log_samples,
+            apply_chat_template=apply_chat_template,
+            fewshot_as_multiturn=fewshot_as_multiturn,
         )
     finally:
         engine.release()
@@ -138,6 +142,8 @@ def run_tasks(
         "num_fewshot": num_fewshot,
         "bootstrap_iters": bootstrap_iters,
         "fewshot_seed": FEWSHOT_SEED,
+        "apply_chat_template": apply_chat_template,
+        "fewshot_as_multiturn": fewshot_as_multiturn,
     }
     results["date"] = time.time()
     return results
@@ -152,10 +158,14 @@ def evaluate_tasks(
     num_fewshot: int | None = None,
     bootstrap_iters: int = 100000,
     log_samples: bool = False,
+    apply_chat_template: bool = False,
+    fewshot_as_multiturn: bool = False,
 ) -> dict[str, Any]:
     """lm-eval's evaluate() of `tasks` for any lm-eval model `lm`, on one process, with the
     few-shot settings simple_evaluate gives the tasks (but none of its torch seeding and
-    environment collection)."""
+    environment collection). apply_chat_template: each prompt rendered by the model's chat
+    template (lm-eval's --apply_chat_template); fewshot_as_multiturn: its few-shot examples as
+    turns of that chat."""
     from lm_eval import __version__
     from lm_eval.evaluator import evaluate
 
@@ -173,6 +183,8 @@ def evaluate_tasks(
         limit=limit,
         bootstrap_iters=bootstrap_iters,
         log_samples=log_samples,
+        apply_chat_template=apply_chat_template,
+        fewshot_as_multiturn=fewshot_as_multiturn,
     )
     results["lm_eval_version"] = __version__
     return results
