@@ -22,6 +22,9 @@ os.environ["XLA_FLAGS"] = with_cpu_collective_timeouts(
     f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE} --xla_force_host_platform_device_count=8"
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Nothing is downloaded at run time: a Hugging Face id resolves from the local cache or is
+# refused (meshtrain.config.hub_cache), in the tests and in the children they start.
+os.environ["HF_HUB_OFFLINE"] = "1"
 # Most test launches compile the same few small programs: one JAX compilation cache for the whole
 # test run compiles each of them once, and meshtrain's own caches (the CPU matmul peak, packed
 # corpora) sit beside it, so the suite never reads or leaves anything in the user's ~/.cache.
