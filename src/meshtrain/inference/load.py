@@ -31,6 +31,7 @@ from meshtrain.hf.config_json import model_config_from_hf, read_config_json
 from meshtrain.hf.load import check_init_from, load_params
 from meshtrain.hf.safetensors_io import CheckpointReader
 from meshtrain.inference.lora_base import check_base_unchanged, load_frozen_base
+from meshtrain.inference.moved_tokenizer import find_moved_tokenizer
 from meshtrain.models.abstract import (
     AbstractModel,
     abstract_model,
@@ -100,9 +101,15 @@ def _candidates(path: Path) -> list[Path]:
 def checkpoint_config(path: str | Path) -> dict[str, Any]:
     """The resolved run config saved with the newest checkpoint at `path` whose description
     reads back, as a dict ({"model": {...}, "data": {...}, ...})."""
+    return checkpoint_meta(path)["config"]
+
+
+def checkpoint_meta(path: str | Path) -> dict[str, Any]:
+    """What the newest checkpoint at `path` whose description reads back records of its run:
+    its config, its tokenizer's identity, ... (train.resume.run_meta)."""
     for candidate in _candidates(Path(path)):
         try:
-            return read_meta(candidate)["config"]
+            return read_meta(candidate)
         except CorruptCheckpoint as err:
             log.warning("%s; trying the previous checkpoint", err)
     raise ConfigError(f"no readable checkpoint at {path}")
@@ -227,12 +234,17 @@ def load_tokenizer(path: str | Path, *, option: str = "--tokenizer ") -> Tokeniz
     directory = Path(path).expanduser()
     _refuse_adapter_alone(directory)
     recorded = None
-    if find_checkpoints(directory):
-        recorded = checkpoint_config(directory)["data"]["tokenizer"]
+    if found := find_checkpoints(directory):
+        meta = checkpoint_meta(directory)
+        recorded = meta["config"]["data"]["tokenizer"]
         try:
             return build_tokenizer(recorded)
         except ValueError:
-            pass  # moved or relative to another directory: an export may still carry it
+            pass  # moved, or relative to another directory: found by its contents, else an
+            # export may still carry it
+        identity = meta.get("tokenizer")
+        if identity and (moved := find_moved_tokenizer(recorded, identity, found[0])):
+            return build_tokenizer(str(moved))
     if any((directory / name).is_file() for name in TOKENIZER_FILES):
         return build_tokenizer(str(directory))
     trained_with = (
