@@ -223,18 +223,24 @@ def test_the_same_pairs_give_the_same_losses_on_any_mesh_and_split(tmp_path):
 
 @pytest.mark.slow  # three more meshes of 8 devices, about 40 s
 @pytest.mark.parametrize(
-    ("mesh", "accumulation"),
-    [("[[8,1],[fsdp,tp]]", 1), ("[[2,2,2],[dp,fsdp,tp]]", 1), ("[[2,2,2],[dp,fsdp,tp]]", 2)],
+    ("mesh", "accumulation", "global_batch"),
+    [
+        ("[[8,1],[fsdp,tp]]", 1, 8),
+        ("[[2,2,2],[dp,fsdp,tp]]", 1, 8),
+        ("[[2,2,2],[dp,fsdp,tp]]", 4, 16),
+    ],
 )
-def test_more_meshes_and_splits(mesh, accumulation, tmp_path):
-    pairs = _pairs_file(tmp_path)
-    one = _dpo(tmp_path / "one", pairs, devices=1)
+def test_more_meshes_and_splits(mesh, accumulation, global_batch, tmp_path):
+    # 4 batch shards (dp × fsdp) × 4 accumulation steps take 16 pairs a step, one per row.
+    pairs = _pairs_file(tmp_path, count=48)
+    batch = f"training.global_batch_size={global_batch}"
+    one = _dpo(tmp_path / "one", pairs, batch, devices=1)
     other = _dpo(
         tmp_path / "other",
         pairs,
+        batch,
         f"model.mesh_shape={mesh}",
         f"training.gradient_accumulation_steps={accumulation}",
-        f"training.micro_batch_size={2 // accumulation}",  # 8 pairs: 4 batch shards
         devices=8,
     )
     for a, b in zip(one.history, other.history, strict=True):
