@@ -7,10 +7,10 @@ import pytest
 from helpers.runs import train_tiny
 from helpers.short_training import SHORT_TEXT
 
+from meshtrain.config.epochs import epoch_steps
 from meshtrain.errors import ConfigError
 from meshtrain.train.hooks.base import StepInfo
 from meshtrain.train.hooks.epochs import EpochLog
-from meshtrain.train.setup import epoch_steps
 
 
 def test_epochs_are_the_steps_that_draw_them():
@@ -60,7 +60,7 @@ def test_a_run_of_epochs_takes_their_steps_and_logs_them(tmp_path, capsys):
     assert (sequences, steps) == (19, 6)  # 2.5 × 19 = 47.5 sequences: 6 steps of 8
     assert [h["step"] for h in result.history] == list(range(1, steps + 1))
     assert result.setup.cfg.training.steps == steps  # saved with the checkpoints
-    assert "training.epochs=2.5: 6 steps of 8 sequences (training.steps)\n" in out
+    assert "training.epochs=2.5: 6 steps of 8 sequences\n" in out
     # Step 3 takes sequences 16-23 of the stream (the 20th is the second epoch's first), step 5
     # takes 32-39 (the 39th, the third's).
     assert "data: epoch 2 begins at step 3 (19 training sequences per epoch)\n" in out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from meshtrain.accelerators import accelerator_named
 from meshtrain.config.context import check_context_parallel
+from meshtrain.config.epochs import check_epochs
 from meshtrain.config.evaluation import check_eval
 from meshtrain.config.lora import check_lora
 from meshtrain.config.objective import check_objective
@@ -214,13 +215,7 @@ def check_config(cfg: Config) -> None:
     )
     if training.global_batch_size is not None:
         _positive("training.global_batch_size", training.global_batch_size)
-    if training.epochs is not None:
-        _positive("training.epochs", training.epochs)
-        require(
-            not data.mixture,
-            f"training.epochs={training.epochs} cannot apply to data.mixture, which draws its "
-            "sources by weight (no pass over them ends); set training.steps instead",
-        )
+    check_epochs(cfg)
     for key, value in (
         ("data.cache_dir", data.cache_dir),
         ("training.compilation_cache_dir", training.compilation_cache_dir),

@@ -20,6 +20,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from meshtrain.config.epochs import with_epoch_steps
 from meshtrain.config.locations import with_absolute_paths
 from meshtrain.config.pipeline import with_scan_layers
 from meshtrain.config.schema import Config
@@ -176,17 +177,8 @@ def prepare(
         dataclasses.replace(reading, pad_id=train_data.pad_id),
         pipeline,
     )
-    if cfg.training.epochs is not None:
-        steps = epoch_steps(cfg.training.epochs, len(train_data), setup.global_batch)
-        training = dataclasses.replace(cfg.training, steps=steps)
-        setup.cfg = dataclasses.replace(cfg, training=training)  # recorded with its checkpoints
+    setup.cfg = with_epoch_steps(cfg, len(train_data), setup.global_batch)  # training.epochs
     return setup
-
-
-def epoch_steps(epochs: float, sequences: int, global_batch: int) -> int:
-    """training.steps of training.epochs passes over `sequences` training sequences: the
-    updates that draw epochs × sequences of them, the last one whole."""
-    return max(1, math.ceil(epochs * sequences / global_batch - 1e-9))
 
 
 def _check_objective_on_mesh(
@@ -289,13 +281,9 @@ def describe(setup: Setup) -> None:
             cfg.data.source,
             masking,
         )
-        if cfg.training.epochs is not None:
-            log.info(
-                "training.epochs=%g: %d steps of %d sequences (training.steps)",
-                cfg.training.epochs,
-                cfg.training.steps,
-                setup.global_batch,
-            )
+        if (epochs := cfg.training.epochs) is not None:
+            steps, batch = cfg.training.steps, setup.global_batch
+            log.info("training.epochs=%g: %d steps of %d sequences", epochs, steps, batch)
         if len(setup.train_data) < setup.global_batch:
             log.warning(
                 "data: %d training sequences, fewer than one global batch of %d: each batch "
