@@ -67,9 +67,8 @@ def test_generate_on_each_export_continues_as_on_the_run(run_dir, exports, capsy
 
 
 def test_a_run_whose_tokenizer_moved_falls_back_to_the_exports_copy(run_dir, exports, monkeypatch):
-    monkeypatch.setattr(
-        load, "checkpoint_config", lambda path: {"data": {"tokenizer": "moved/tokenizer.json"}}
-    )
+    recorded = {"config": {"data": {"tokenizer": "moved/tokenizer.json"}}}  # no identity kept
+    monkeypatch.setattr(load, "checkpoint_meta", lambda path: recorded)
     assert load_tokenizer(exports["orbax"]).eos_id == 258  # the copy the export carries
     with pytest.raises(ConfigError) as raised:
         load_tokenizer(run_dir)
