@@ -265,9 +265,11 @@ def test_a_data_file_edited_in_place_is_refused_then_accepted_on_purpose(
     with open(data / "3.txt", "a") as f:
         f.write("a" * 10)
     (data / "new.txt").write_text("a" * 30)
+    checkpoint = tmp_path / "run" / "checkpoints" / "2"
+    saved = {p: p.read_bytes() for p in sorted(checkpoint.rglob("*")) if p.is_file()}
     with pytest.raises(ConfigError) as err:
         train_tiny(tmp_path / "run", *common, "training.steps=4")
-    checkpoint = tmp_path / "run" / "checkpoints" / "2"
+    assert {p: p.read_bytes() for p in sorted(checkpoint.rglob("*")) if p.is_file()} == saved
     assert str(err.value).startswith(
         f'checkpoint {checkpoint} cannot be continued with this config: data.paths ["{data}"] → '
         f'["{data}"] with other files (3.txt: 23 → 33 bytes; new.txt added); put the old value '
