@@ -143,7 +143,7 @@ def checkout_message(found: Sequence[Suspect], root: Path = REPO) -> str:
 
 def heavy_imports(modules: Mapping[str, object] | None = None) -> list[str]:
     """The HEAVY_MODULES this process imported (an entry None only blocks an import:
-    meshtrain.observe.tensorboard hides torch from tensorboardX that way)."""
+    meshtrain.observe.trackers.tensorboard hides torch from tensorboardX that way)."""
     modules = sys.modules if modules is None else modules
     return [name for name in HEAVY_MODULES if modules.get(name) is not None]
 

@@ -16,7 +16,7 @@ import pytest
 
 from meshtrain.observe import metrics
 from meshtrain.observe.metrics import MetricsWriter, setup_logging
-from meshtrain.observe.tensorboard import import_summary_writer
+from meshtrain.observe.trackers.tensorboard import import_summary_writer
 
 # tensorboardX's package imports torch where it is installed; meshtrain loads it without (and so
 # must the default tests: tests/conftest.py checks that they import no torch).

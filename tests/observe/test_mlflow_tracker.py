@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-mlflow_tracker = pytest.importorskip("meshtrain.observe.mlflow_tracker")
+mlflow_tracker = pytest.importorskip("meshtrain.observe.trackers.mlflow_tracker")
 MlflowConfig = mlflow_tracker.MlflowConfig
 RunInfo = mlflow_tracker.RunInfo
 

@@ -14,8 +14,8 @@ from helpers.runs import SMALL_RUN, train_tiny
 from meshtrain.config.trackers import LoggingConfig
 from meshtrain.errors import ConfigError
 from meshtrain.observe import trackers
-from meshtrain.observe.run_info import RunInfo, flat_config, metric_tag, run_name
-from meshtrain.observe.tensorboard import config_table
+from meshtrain.observe.trackers.run_info import RunInfo, flat_config, metric_tag, run_name
+from meshtrain.observe.trackers.tensorboard import config_table
 
 
 def test_every_tracker_names_a_metric_as_tensorboard_does():

@@ -3,7 +3,7 @@
 
 import pytest
 
-wandb_tracker = pytest.importorskip("meshtrain.observe.wandb_tracker")
+wandb_tracker = pytest.importorskip("meshtrain.observe.trackers.wandb_tracker")
 WandbConfig = wandb_tracker.WandbConfig
 
 

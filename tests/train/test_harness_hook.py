@@ -18,7 +18,7 @@ from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import ConfigError
 from meshtrain.harness.run import evaluate_in_place
 from meshtrain.inference.load import load_checkpoint
-from meshtrain.observe.run_info import metric_tag
+from meshtrain.observe.trackers.run_info import metric_tag
 
 
 def _run(tmp_path, base, *extra):

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 from meshtrain.config.trackers import LoggingConfig
 from meshtrain.observe.progress import ProgressBar
-from meshtrain.observe.run_info import RunInfo, metric_tag, run_name
 from meshtrain.observe.trackers import close_trackers, open_trackers
+from meshtrain.observe.trackers.run_info import RunInfo, metric_tag, run_name
 from meshtrain.units import format_eta
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """What every experiment tracker is told about a run (RunInfo), the names its metrics take in
 each of them (metric_tag) and the config as they show it (flat_config); the Tracker interface
-that observe.tensorboard, observe.wandb_tracker and observe.mlflow_tracker implement
+that observe.trackers.tensorboard, observe.trackers.wandb_tracker and observe.trackers.mlflow_tracker implement
 (observe.trackers opens them).
 """
 

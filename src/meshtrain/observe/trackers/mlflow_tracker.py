@@ -23,7 +23,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from meshtrain.config.trackers import MlflowConfig
-from meshtrain.observe.run_info import RunInfo, flat_config
+from meshtrain.observe.trackers.run_info import RunInfo, flat_config
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 every logged step's metrics under the same names, the run's resolved config and its name.
 
 Only process 0 opens them (observe.metrics.MetricsWriter). Each lives in its own module,
-imported only when named: observe.tensorboard, observe.wandb_tracker, observe.mlflow_tracker;
-what they are told about the run, and the names of its metrics, is observe.run_info.
+imported only when named: observe.trackers.tensorboard, observe.trackers.wandb_tracker, observe.trackers.mlflow_tracker;
+what they are told about the run, and the names of its metrics, is observe.trackers.run_info.
 """
 
 from __future__ import annotations
@@ -12,23 +12,23 @@ from collections.abc import Callable, Sequence
 
 from meshtrain.config.trackers import EXTRA, LoggingConfig
 from meshtrain.errors import ConfigError
-from meshtrain.observe.run_info import RunInfo, Tracker
+from meshtrain.observe.trackers.run_info import RunInfo, Tracker
 
 
 def _open_tensorboard(settings: LoggingConfig, run: RunInfo) -> Tracker:
-    from meshtrain.observe.tensorboard import TensorBoardTracker
+    from meshtrain.observe.trackers.tensorboard import TensorBoardTracker
 
     return TensorBoardTracker(run)
 
 
 def _open_wandb(settings: LoggingConfig, run: RunInfo) -> Tracker:
-    from meshtrain.observe.wandb_tracker import WandbTracker
+    from meshtrain.observe.trackers.wandb_tracker import WandbTracker
 
     return WandbTracker(settings.wandb, run)
 
 
 def _open_mlflow(settings: LoggingConfig, run: RunInfo) -> Tracker:
-    from meshtrain.observe.mlflow_tracker import MlflowTracker
+    from meshtrain.observe.trackers.mlflow_tracker import MlflowTracker
 
     return MlflowTracker(settings.mlflow, run)
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import wandb
 
 from meshtrain.config.trackers import WandbConfig
-from meshtrain.observe.run_info import RunInfo
+from meshtrain.observe.trackers.run_info import RunInfo
 
 log = logging.getLogger(__name__)
 

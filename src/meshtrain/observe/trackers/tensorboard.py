@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from meshtrain.observe.run_info import RunInfo, flat_config
+from meshtrain.observe.trackers.run_info import RunInfo, flat_config
 
 if TYPE_CHECKING:
     from tensorboardX import SummaryWriter
