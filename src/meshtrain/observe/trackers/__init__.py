@@ -1,9 +1,9 @@
 """The experiment trackers of a run (logging.trackers): TensorBoard, W&B and MLflow each get
 every logged step's metrics under the same names, the run's resolved config and its name.
 
-Only process 0 opens them (observe.metrics.MetricsWriter). Each lives in its own module,
-imported only when named: observe.trackers.tensorboard, observe.trackers.wandb_tracker, observe.trackers.mlflow_tracker;
-what they are told about the run, and the names of its metrics, is observe.trackers.run_info.
+Only process 0 opens them (observe.metrics.MetricsWriter). Each lives in a module of this
+package, imported only when named: tensorboard, wandb_tracker, mlflow_tracker; what they are
+told about the run, and the names of its metrics, is run_info.
 """
 
 from __future__ import annotations
