@@ -23,14 +23,16 @@ DOCS = ("docs/profiling.md", "docs/planning.md")
 def marks(line: str) -> list[pytest.MarkDecorator]:
     """A large model with its layers unrolled compiles for 3 to 5 minutes on 2 cores: a
     rehearsal at a published size (`bench`; `python scripts/check_claims.py --all` measures the
-    same plans and checks their totals). With model.scan_layers=true it takes seconds
+    same plans and checks their totals); so is a published model compiled for a GPU target
+    (tests/targets/test_deviceless.py compiles the tiny one so in the slow set). With
+    model.scan_layers=true it takes seconds
     (tests/observe/test_memory_plan.py plans Gemma 3 27B so). A compile for a GPU target needs
     the gpu-compile extra, installed for the slow set; tracker lines run in
     tests/observe/test_trackers.py by default."""
     large = "model=gemma3_27b" in line or "model=llama3_8b" in line
-    if large and "model.scan_layers=true" not in line:
-        return [pytest.mark.bench]
     gpu_compile = "plan.target=" in line and "training.dry_run=true" in line
+    if (large and "model.scan_layers=true" not in line) or (gpu_compile and "model=" in line):
+        return [pytest.mark.bench]  # a published model compiled for a GPU: 4 minutes on 2 cores
     trackers = "logging.trackers=" in line
     return [pytest.mark.slow] if gpu_compile or trackers else []
 

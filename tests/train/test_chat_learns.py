@@ -184,7 +184,10 @@ def copying_base(tmp_path_factory):
     return root / "run" / "checkpoints"
 
 
-@pytest.mark.slow  # about 100 s: two LoRA runs of 120 steps and 200 answers, on a trained base
+# Two LoRA runs of 120 steps and 200 answers on a trained base: 7 minutes on CI's 2 cores, more
+# than its slow set can hold beside the rest; a rehearsal with `-m bench`. The slow set keeps the
+# adapters' exactness (tests/train/test_lora_training.py, tests/hf/test_lora_live.py).
+@pytest.mark.bench
 def test_lora_and_qlora_adapters_learn_a_new_task_on_a_frozen_base(
     reversal, copying_base, tmp_path, capsys
 ):
