@@ -26,6 +26,12 @@ def require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message ("" for none): what a one-line error quotes of
+    a library's multi-line one."""
+    return (str(err).strip().splitlines() or [""])[0]
+
+
 def error_line(message: str) -> str:
     """The one line every entry point prints for an error (meshtrain.cli.exit.fail)."""
     return f"meshtrain: error: {message}"

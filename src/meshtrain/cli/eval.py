@@ -25,7 +25,7 @@ from pathlib import Path
 from meshtrain.checkpoint.layout import find_checkpoints
 from meshtrain.cli.exit import fail
 from meshtrain.cli.train import skip_gpu_plugin_without_gpu
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, first_line
 from meshtrain.harness.options import parse_mesh_shape, parse_model_args, split_model_args
 from meshtrain.prog import prog_name
 
@@ -164,9 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # a task's own failure: its template, its data, lm-eval
             if os.environ.get("MESHTRAIN_DEBUG") == "1":
                 raise
-            first = (str(err).strip().splitlines() or [""])[0]
             raise ConfigError(
-                f"tasks {', '.join(tasks)} failed: {type(err).__name__}: {first}; fix the task "
+                f"tasks {', '.join(tasks)} failed: {type(err).__name__}: {first_line(err)}; fix the task "
                 "(its YAML, template or data), or run with MESHTRAIN_DEBUG=1 for the traceback"
             ) from None
     except ConfigError as err:

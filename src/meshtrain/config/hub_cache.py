@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, first_line
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the Hub spells ids
 DOWNLOADED = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
@@ -71,7 +71,7 @@ def resolve_hub_id(key: str, repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=DOWNLOADED, cache_dir=cache))
     except Exception as err:  # no network, an unknown or gated model
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        reason = first_line(err) or type(err).__name__
         raise ConfigError(
-            f"{where}, and downloading it failed ({first}); give its local directory"
+            f"{where}, and downloading it failed ({reason}); give its local directory"
         ) from None

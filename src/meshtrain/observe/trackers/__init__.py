@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from meshtrain.config.trackers import EXTRA, LoggingConfig
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, first_line
 from meshtrain.observe.trackers.run_info import RunInfo, Tracker
 
 
@@ -68,8 +68,8 @@ def open_trackers(settings: LoggingConfig, run: RunInfo) -> list[Tracker]:
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+    line = first_line(err)
+    return f"{type(err).__name__}: {line}" if line else type(err).__name__
 
 
 def close_trackers(trackers: Sequence[Tracker], *, failed: bool) -> None:
