@@ -13,6 +13,7 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -91,12 +92,18 @@ def _closing(text: str, start: int) -> int:
 class Instruction:
     name: str
     opcode: str
-    shape: list[Array]
+    shape_text: str  # the result's shape as written, e.g. "f32[8,128]" or a tuple "(f32[2], s32[])"
     operands: list[str]
     arguments: str  # the text inside the operand parentheses, e.g. "0" for parameter(0)
     attributes: str  # everything after the operand list, metadata removed
     op_name: str  # the jax-level name from the metadata, e.g. "jit(step)/while/body/..."
     computation: str
+
+    @cached_property
+    def shape(self) -> list[Array]:
+        """The arrays of the result's shape (a tuple's elements in order). Parsed when first
+        read: the accounting reads few of a module's shapes, and a loop's tuple shapes are long."""
+        return parse_shape(self.shape_text)
 
     def attribute(self, key: str) -> str | None:
         """The raw value of `key=...`, with balanced brackets, or None."""
@@ -138,7 +145,7 @@ def _parse_instruction(name: str, rest: str, computation: str) -> Instruction | 
     return Instruction(
         name=name,
         opcode=opcode.group(1),
-        shape=parse_shape(shape),
+        shape_text=shape,
         operands=operands,
         arguments=arguments,
         attributes=_METADATA.sub("", attributes),
