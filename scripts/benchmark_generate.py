@@ -1,15 +1,17 @@
 """Generation speed: tokens/s of `meshtrain.generate` for a model config with random weights.
 
     python scripts/benchmark_generate.py [--model tiny] [--set model.KEY=VALUE ...]
-        [--prompt-tokens 16] [--new-tokens 32] [--runs 3] [--json]
+        [--prompt-tokens 16] [--new-tokens 32] [--batch 1] [--runs 3] [--json]
 
 The model is configs/model/MODEL.yaml (plus --set overrides), random weights in fp32 on one
-device. The prompt is --prompt-tokens random ids and the tokenizer has no end-of-sequence id
-the model can pick, so every call generates exactly --new-tokens tokens, greedily. A first
-call compiles (timed apart, as first_call_s); then --runs calls are timed and the median gives
-tokens/s = new tokens / seconds per call (prefill included). docs/models.md records the numbers,
-with and without the key/value cache (the earlier implementation measured by running this
-script against the source of an earlier commit: PYTHONPATH=<that commit's src>).
+device. The prompt is --prompt-tokens random ids, and no id stops the generation, so every call
+generates exactly --new-tokens tokens, greedily. A first call compiles (timed apart, as
+first_call_s); then --runs calls are timed and the median gives tokens/s = new tokens / seconds
+per call (prefill included). With --batch N, a call generates for N prompts of --prompt-tokens
+(different random ids) decoded together as one batch, and the same N prompts are also timed one
+at a time, back to back: tokens/s of both and their ratio. docs/models.md records the numbers
+(earlier implementations measured by running this script against the source of an earlier
+commit: PYTHONPATH=<that commit's src>).
 """
 
 from __future__ import annotations
@@ -24,23 +26,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-class SyntheticTokenizer:
-    """Encodes a prompt "N" as N random ids below vocab_size; no bos, and an eos id (-1) that
-    no token has, so that generation always runs to max_new_tokens."""
-
-    pad_id = bos_id = eos_id = -1
-    source_files: tuple[Path, ...] = ()
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.random.default_rng(0).integers(0, self.vocab_size, int(text), dtype=np.int32)
-
-    def decode(self, ids) -> str:
-        return " ".join(str(int(i)) for i in ids)
 
 
 def model_config(name: str, overrides: list[str]):
@@ -62,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (16)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated (32)")
+    parser.add_argument("--batch", type=int, default=1, help="prompts decoded together (1)")
     parser.add_argument("--runs", type=int, default=3, help="timed calls after the first (3)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
@@ -70,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from flax import nnx
 
     import meshtrain
+    from meshtrain.inference.generate import generate_ids, generate_ids_batch
     from meshtrain.models.transformer import Transformer
 
     sys.path.insert(0, str(REPO / "scripts"))
@@ -77,41 +64,63 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = model_config(args.model, args.set).model
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    tokenizer = SyntheticTokenizer(cfg.vocab_size)
-    prompt = str(args.prompt_tokens)
+    rng = np.random.default_rng(0)
+    prompts = [
+        rng.integers(0, cfg.vocab_size, args.prompt_tokens, dtype=np.int32)
+        for _ in range(args.batch)
+    ]
 
-    def timed_call() -> float:
-        start = time.perf_counter()
-        text = meshtrain.generate(model, tokenizer, prompt, max_new_tokens=args.new_tokens)
-        seconds = time.perf_counter() - start
-        assert len(text.split()) == args.new_tokens, "generation stopped early"
-        return seconds
+    def timed(call) -> tuple[float, list[float]]:
+        """The first call's seconds (it compiles) and the median of --runs more."""
 
-    first = timed_call()
-    seconds = [timed_call() for _ in range(args.runs)]
-    median = statistics.median(seconds)
+        def seconds() -> float:
+            start = time.perf_counter()
+            picked = call()
+            elapsed = time.perf_counter() - start
+            assert all(len(ids) == args.new_tokens for ids in picked), "generation stopped early"
+            return elapsed
+
+        first = seconds()
+        return first, [seconds() for _ in range(args.runs)]
+
+    # No stop ids: every row generates exactly --new-tokens tokens.
+    first, runs = timed(lambda: generate_ids_batch(model, prompts, args.new_tokens))
+    median = statistics.median(runs)
     result = {
         "model": args.model,
         "overrides": args.set,
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
-        "tokens_per_sec": args.new_tokens / median,
+        "batch": args.batch,
+        "tokens_per_sec": args.batch * args.new_tokens / median,
         "median_s": median,
-        "runs_s": seconds,
+        "runs_s": runs,
         "first_call_s": first,
         "devices": 1,
         "jax": jax.__version__,
         "meshtrain": str(Path(meshtrain.__file__).parent),
     }
+    if args.batch > 1:  # the same prompts one at a time, back to back
+        _, alone = timed(lambda: [generate_ids(model, p, args.new_tokens) for p in prompts])
+        result["one_at_a_time_tokens_per_sec"] = (
+            args.batch * args.new_tokens / statistics.median(alone)
+        )
+        result["one_at_a_time_runs_s"] = alone
+        result["batched_speedup"] = statistics.median(alone) / median
     result = stamp(result, sys.argv[1:] if argv is None else list(argv), "benchmark_generate.py")
     if args.json:
         print(json.dumps(result))
     else:
         print(
-            f"{args.model}: {args.prompt_tokens} prompt + {args.new_tokens} new tokens, "
-            f"{result['tokens_per_sec']:.1f} tokens/s (median of {args.runs}: {median:.3f} s; "
-            f"first call {first:.2f} s)"
+            f"{args.model}: {args.batch} × ({args.prompt_tokens} prompt + {args.new_tokens} new "
+            f"tokens), {result['tokens_per_sec']:.1f} tokens/s (median of {args.runs}: "
+            f"{median:.3f} s; first call {first:.2f} s)"
         )
+        if args.batch > 1:
+            print(
+                f"one at a time: {result['one_at_a_time_tokens_per_sec']:.1f} tokens/s; "
+                f"batched {result['batched_speedup']:.2f}× faster"
+            )
     return 0
 
 

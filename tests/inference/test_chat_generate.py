@@ -75,16 +75,19 @@ def bigram(tmp_path_factory):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """What generate_ids is called with and returns, per call."""
+    """What generate_ids_batch is called with and returns, per prompt."""
     seen = []
-    original = generation.generate_ids
+    original = generation.generate_ids_batch
 
-    def spy(model, prompt_ids, *args, **kwargs):
-        new = original(model, prompt_ids, *args, **kwargs)
-        seen.append(dict(prompt_ids=np.asarray(prompt_ids).tolist(), new=new.tolist(), **kwargs))
+    def spy(model, prompts, *args, **kwargs):
+        new = original(model, prompts, *args, **kwargs)
+        for prompt_ids, ids in zip(prompts, new, strict=True):
+            seen.append(
+                dict(prompt_ids=np.asarray(prompt_ids).tolist(), new=ids.tolist(), **kwargs)
+            )
         return new
 
-    monkeypatch.setattr(generation, "generate_ids", spy)
+    monkeypatch.setattr(generation, "generate_ids_batch", spy)
     return seen
 
 
@@ -144,6 +147,52 @@ def test_chat_template_file_replaces_the_tokenizers(bigram, calls, capsys, tmp_p
         .render_generation_prompt([{"role": "user", "content": QUESTION}])
         .ids.tolist()
     )
+
+
+def test_a_prompts_file_answers_each_prompt_in_batches(bigram, calls, capsys, tmp_path):
+    """--prompts FILE.jsonl with --chat: a string is the user's message, a list the whole
+    conversation; one JSON line per prompt, {"prompt" as given, "completion"}; batches of
+    --batch-size (3 prompts in 2 batches: 2 calls of 2 and 1 prompts)."""
+    directory, encoder, answer_ids = bigram
+    conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    records = [{"prompt": QUESTION}, {"prompt": conversation}, {"prompt": "Say hello."}]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
+    argv = [str(directory), "--chat", "--prompts", str(tmp_path / "prompts.jsonl")]
+    assert main([*argv, "--batch-size", "2", "--max-new-tokens", "8"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines == [{"prompt": r["prompt"], "completion": ANSWER} for r in records]
+    asked = [[{"role": "user", "content": QUESTION}], conversation]
+    asked.append([{"role": "user", "content": "Say hello."}])
+    assert [c["prompt_ids"] for c in calls] == [
+        encoder.render_generation_prompt(m).ids.tolist() for m in asked
+    ]
+    assert [c["new"] for c in calls] == [[*answer_ids, END_OF_TURN]] * 3
+
+
+def test_a_prompts_file_is_checked_before_the_model_loads(tmp_path, capsys):
+    directory = copy_chat_tokenizer(tmp_path / "tok")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    (tmp_path / "m.jsonl").write_text('{"prompt": [{"role": "user", "content": "a"}]}\n')
+    (tmp_path / "empty.txt").write_text("\n")
+    p, m = tmp_path / "p.jsonl", tmp_path / "m.jsonl"
+    errors = {
+        ("--prompts", p, QUESTION): "--prompts holds every prompt; drop the prompt argument",
+        (
+            "--prompts",
+            p,
+            "--chat",
+        ): f'--prompts {p}:2: a .jsonl line must be a record with "prompt" '
+        "(a string, or with --chat a list of messages)",
+        ("--prompts", m): f"--prompts {m}:1: the prompt is not a string; pass --chat for messages",
+        ("--prompts", tmp_path / "empty.txt"): f"--prompts='{tmp_path / 'empty.txt'}' holds no "
+        "prompt",
+        ("--prompts", p, "--top-k", "5"): "--top-k and --top-p choose among the tokens to sample, "
+        "but --temperature=0 picks the most likely one; set --temperature (e.g. 1.0) to sample",
+        ("--prompts", p, "--top-p", "0", "--temperature", "1"): "--top-k=0 must be >= 0 (0: all "
+        "tokens) and --top-p=0.0 in (0, 1] (1: all tokens)",
+    }
+    for args, message in errors.items():
+        assert _error(capsys, directory, *args) == f"meshtrain: error: {message}\n"
 
 
 def test_generate_ids_ends_with_the_first_stop_id_picked(bigram):

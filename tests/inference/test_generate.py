@@ -1,24 +1,28 @@
 """Generation: greedy decoding picks the tokens transformers' own greedy generate picks (its
 committed ids, helpers.tiny_hf; tests/hf/test_interop_live.py, slow, runs transformers itself),
-on one device and sharded; a generation is two compiled programs (prefill, decode step);
-sampling is seeded; `python -m meshtrain.generate` prints the prompt and its continuation."""
+on one device and sharded; a batch of prompts generates what each prompt does alone, each row
+stopping at its own stop id; a generation is one compiled program; sampling is seeded, draws
+from the model's softmax at its temperature (a chi-square test) and never outside top-k/top-p;
+`python -m meshtrain.generate` prints the prompt and its continuation."""
 
 from __future__ import annotations
 
 import logging
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 from helpers import tiny_hf
 from helpers.commands import module_command
 from helpers.meshes import on_mesh
 from helpers.tiny_tokenizers import train_bpe
+from scipy import stats
 
 import meshtrain
 from meshtrain.config import ModelConfig
 from meshtrain.data.tokenizer import ByteTokenizer
-from meshtrain.inference.generate import prompt_bucket
+from meshtrain.inference.generate import generate_ids, generate_ids_batch, prompt_bucket
 from meshtrain.models.transformer import Transformer
 
 PROMPT = tiny_hf.PROMPT
@@ -74,14 +78,84 @@ def test_one_kv_head_on_a_mesh_generates_what_one_device_does():
     assert meshtrain.generate(sharded, tokenizer, "def f(x):", max_new_tokens=16) == want
 
 
-# Sampled generations of 8 tokens: compiled first by test_a_generation_is_two_compiled_programs
+@pytest.mark.parametrize("mesh", [None, [[4, 2], ["fsdp", "tp"]]])
+def test_a_batch_of_prompts_generates_what_each_prompt_does_alone(mesh):
+    """Prompts of 3 to 20 tokens (two buckets) left-padded into one batch, rows sharded over
+    fsdp on the mesh; each row stops at its own stop id and is padded after it."""
+    cfg = ModelConfig(num_heads=4, num_kv_heads=2, head_dim=32, init_std=0.2)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    if mesh is not None:
+        model = on_mesh(model, cfg, mesh)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (3, 20, 9, 14)]
+    free = [generate_ids(model, p, 12) for p in prompts]
+    stop = int(free[0][4])  # row 0 stops at its 5th token; others where (if) they pick it
+    alone = [generate_ids(model, p, 12, stop_ids=[stop]) for p in prompts]
+    assert alone[0].tolist() == free[0][:5].tolist()
+    assert [len(ids) for ids in alone] != [12] * 4
+    together = generate_ids_batch(model, prompts, 12, stop_ids=[stop])
+    assert [ids.tolist() for ids in together] == [ids.tolist() for ids in alone]
+
+
+def _first_token_draws(model, prompt, draws: int, **sampling) -> np.ndarray:
+    """The first token picked after `prompt`, in a batch of `draws` copies of it: [draws]."""
+    picked = generate_ids_batch(model, [prompt] * draws, 1, seed=5, **sampling)
+    return np.array([int(ids[0]) for ids in picked])
+
+
+def _fits(draws: np.ndarray, probabilities: np.ndarray) -> float:
+    """The chi-square p-value of the draws' counts against `probabilities` [V] (tokens expected
+    fewer than 5 times pooled into one bin, if any has a chance)."""
+    counts = np.bincount(draws, minlength=probabilities.size)
+    expected = probabilities * draws.size
+    big = expected >= 5
+    observed, expected = counts[big], expected[big]
+    if probabilities[~big].sum() > 0:
+        observed = np.append(observed, counts[~big].sum())
+        expected = np.append(expected, probabilities[~big].sum() * draws.size)
+    return float(stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue)
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    exp = np.exp(logits - logits.max())
+    return exp / exp.sum()
+
+
+def test_sampling_draws_from_the_softmax_and_top_k_top_p_keep_their_sets():
+    """4,096 draws of one token: at temperature 0.5 their counts fit softmax(logits / 0.5)
+    (chi-square p > 0.001; softmax(logits) is refused); with top-k 6 or top-p 0.9 every
+    draw is in the kept set and the counts fit the set's renormalised probabilities."""
+    cfg = ModelConfig(num_heads=4, num_kv_heads=2, head_dim=32, init_std=0.2)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    prompt = np.array([104, 101, 108, 108, 111], np.int32)
+    logits = np.asarray(model(prompt[None]), np.float64)[0, -1]  # [V]
+    probabilities = _softmax(logits / 0.5)
+    draws = _first_token_draws(model, prompt, 4096, temperature=0.5)
+    assert _fits(draws, probabilities) > 1e-3
+    assert _fits(draws, _softmax(logits)) < 1e-6  # the softmax at temperature 1 is refused
+    ranked = np.argsort(-probabilities)
+    top_k = np.zeros_like(probabilities)
+    top_k[ranked[:6]] = probabilities[ranked[:6]]
+    draws = _first_token_draws(model, prompt, 4096, temperature=0.5, top_k=6)
+    assert set(draws.tolist()) <= set(ranked[:6].tolist())
+    assert _fits(draws, top_k / top_k.sum()) > 1e-3
+    before = np.cumsum(probabilities[ranked]) - probabilities[ranked]
+    nucleus = ranked[before < 0.9]  # the fewest most likely tokens with 0.9 of the mass
+    top_p = np.zeros_like(probabilities)
+    top_p[nucleus] = probabilities[nucleus]
+    draws = _first_token_draws(model, prompt, 4096, temperature=0.5, top_p=0.9)
+    assert set(draws.tolist()) <= set(nucleus.tolist()) and len(nucleus) > 1
+    assert _fits(draws, top_p / top_p.sum()) > 1e-3
+
+
+# Sampled generations of 8 tokens: compiled first by test_a_generation_is_one_compiled_program
 # (which needs programs not compiled before), then run by test_sampling_depends_on_the_seed_only.
 SAMPLED = dict(max_new_tokens=8, temperature=1.0)
 
 
-def test_a_generation_is_two_compiled_programs(loaded, caplog):
-    """One prefill and one decode step, whatever the number of tokens; a prompt of another
-    length in the same bucket compiles nothing."""
+def test_a_generation_is_one_compiled_program(loaded, caplog):
+    """The prefill and the decode loop in one program, whatever the number of tokens; a prompt
+    of another length in the same bucket compiles nothing."""
     model, tokenizer = loaded
     other = PROMPT + " return"
     lengths = [len(tokenizer.encode(p)) + 1 for p in (PROMPT, other)]  # bos + the prompt
@@ -90,8 +164,7 @@ def test_a_generation_is_two_compiled_programs(loaded, caplog):
         meshtrain.generate(model, tokenizer, PROMPT, **SAMPLED, seed=3)
         compiled = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
         meshtrain.generate(model, tokenizer, other, **SAMPLED, seed=3)
-    assert len(compiled) == 2, compiled
-    assert "_prefill" in compiled[0] and "_decode" in compiled[1], compiled
+    assert len(compiled) == 1 and "_generate_batch" in compiled[0], compiled
     again = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
     assert again == compiled
 

@@ -1,7 +1,8 @@
 """The key/value cache path (models.decode): the logits of a padded prefill and of every decode
 step equal those of the model's own call on the same prefix, for each family (Gemma past its
-sliding window, with scan_layers too), and on a [[4,2]] mesh the cache is sharded like the
-layers' keys and values (split over tp, or replicated when tp exceeds the key/value heads)."""
+sliding window, with scan_layers too), also for a batch of left-padded prompts of different
+lengths; and on a [[4,2]] mesh the cache is sharded like the layers' keys and values (split over
+tp, or replicated when tp exceeds the key/value heads)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,35 @@ def test_each_decode_step_equals_the_full_recompute(family, scan_layers, tmp_pat
     cached, _ = cached_logits(model, tokens)
     assert cached.shape == (tokens.shape[1] - PROMPT + 1, 1, tiny_hf.VOCAB)
     assert max(errors(cached, full)) <= CACHED_TOLERANCE
+
+
+@pytest.mark.parametrize(("family", "scan_layers"), [("llama", False), ("gemma3", True)])
+def test_left_padded_prompts_of_different_lengths_each_get_their_own_logits(
+    family, scan_layers, tmp_path
+):
+    """A batch as generation runs it: each prompt after its padding slots, every row's next
+    token in the same slot; each row's logits are those of the model's call on that row's
+    prefix alone (Gemma's rows run past its 16-token window)."""
+    directory = tiny_hf.write_checkpoint(family, tmp_path / family)
+    model = meshtrain.load_hf(directory, scan_layers=scan_layers)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, tiny_hf.VOCAB, (4, 40)).astype(np.int32)  # [B, T]
+    lengths = np.array([3, 16, 8, 11], np.int32)  # each row's prompt, at most BUCKET
+    steps = 24  # decode steps: the longest prompt's row reaches its 40th token
+    pad = BUCKET - lengths  # [B]
+    padded = np.zeros((4, BUCKET), np.int32)
+    for row, length in enumerate(lengths):
+        padded[row, pad[row] :] = tokens[row, :length]
+    logits, cache = _prefill(model, padded, np.int32(BUCKET), BUCKET + steps, pad)
+    rows = [np.asarray(logits)]  # [B, V] each
+    for i in range(steps - 1):
+        step_tokens = tokens[np.arange(4), lengths + i][:, None]  # [B, 1]
+        logits, cache = _step(model, step_tokens, np.int32(BUCKET + i), cache, pad)
+        rows.append(np.asarray(logits))
+    for row, length in enumerate(lengths):
+        full = np.asarray(model(tokens[row : row + 1, : length + steps - 1]))[0]  # [T, V]
+        errs = [tiny_hf.relative_error(r[row], full[length - 1 + i]) for i, r in enumerate(rows)]
+        assert max(errs) <= CACHED_TOLERANCE, (row, errs)
 
 
 CFG = ModelConfig(num_heads=4, head_dim=32, init_std=0.2)  # the tiny model, 4 query heads

@@ -12,14 +12,16 @@ from helpers.paths import REPO
 @pytest.mark.bench  # a measurement: a child process timing generation
 def test_tiny_quick_json():
     command = [sys.executable, str(REPO / "scripts" / "benchmark_generate.py")]
-    args = ["--prompt-tokens", "5", "--new-tokens", "6", "--runs", "3", "--json"]
+    args = ["--prompt-tokens", "5", "--new-tokens", "6", "--batch", "2", "--runs", "3", "--json"]
     proc = subprocess.run([*command, *args], cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = proc.stdout.strip().splitlines()
     result = json.loads(line)
     assert (result["model"], result["prompt_tokens"], result["new_tokens"]) == ("tiny", 5, 6)
     assert len(result["runs_s"]) == 3 and result["median_s"] == sorted(result["runs_s"])[1]
-    assert result["tokens_per_sec"] == pytest.approx(6 / result["median_s"])
+    assert result["tokens_per_sec"] == pytest.approx(2 * 6 / result["median_s"])
+    alone = sorted(result["one_at_a_time_runs_s"])[1]
+    assert result["batched_speedup"] == pytest.approx(alone / result["median_s"])
     assert result["first_call_s"] > result["median_s"] > 0  # the first call compiles
     assert result["command"].startswith("python scripts/benchmark_generate.py --prompt-tokens 5")
     for key in ("machine", "date", "jax"):

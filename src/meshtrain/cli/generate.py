@@ -11,6 +11,11 @@ FILE.json holds the conversation; it is rendered with the tokenizer's chat templ
 beside the tokenizer, as data.chat_template reads them) or --chat-template FILE.jinja, and only
 the assistant's answer is printed: up to the template's end-of-turn token, eos or
 --max-new-tokens (inference.generate.generate_chat).
+
+With --prompts FILE (a .txt of one prompt per line, or a .jsonl of {"prompt": ...} records, the
+prompt a string, or with --chat a string or a list of messages) the prompts are generated in
+batches of --batch-size, and each result is printed as one JSON line, {"prompt", "completion"}.
+--temperature samples (--seed), within --top-k and --top-p if given.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import json
 import logging
 import sys
+from functools import partial
 from pathlib import Path
 
 from meshtrain.cli.exit import fail
@@ -26,7 +32,7 @@ from meshtrain.cli.train import skip_gpu_plugin_without_gpu
 from meshtrain.data.chat import ChatEncoder, build_chat_encoder
 from meshtrain.data.tokenizer import Tokenizer, build_tokenizer
 from meshtrain.errors import ConfigError
-from meshtrain.inference.generate import generate, generate_chat
+from meshtrain.inference.generate import answer_chats, complete_texts
 from meshtrain.inference.load import load_model, load_tokenizer
 from meshtrain.prog import prog_name
 
@@ -52,8 +58,31 @@ def main(argv: list[str] | None = None) -> int:
         help="the most tokens to generate (default 32); it stops earlier at eos, and with "
         "--chat at the template's end-of-turn token",
     )
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0 (default): greedy; above 0: sample"
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)"
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample among the fewest most likely tokens whose probabilities reach p (1: all)",
+    )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help='generate for every prompt of FILE (.txt: one per line; .jsonl: {"prompt": ...}) '
+        'and print one JSON line each, {"prompt", "completion"}',
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        help="with --prompts: prompts generated together (default 32)",
+    )
     parser.add_argument(
         "--tokenizer",
         help="byte, a tokenizer.json, a sentencepiece .model or a directory holding one "
@@ -95,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--max-new-tokens={args.max_new_tokens} must be >= 1 and "
                 f"--temperature={args.temperature} >= 0"
             )
+        _check_sampling(args)
         _check_prompt(args)
         if not path.is_dir():
             raise ConfigError(
@@ -115,31 +145,62 @@ def main(argv: list[str] | None = None) -> int:
                 f"--mesh-shape={args.mesh_shape!r} is not JSON; write it like "
                 '\'[[4,2],["fsdp","tp"]]\''
             ) from None
-        if args.chat:  # before the model loads: a conversation the template cannot render
-            encoder = _chat_encoder(tokenizer, args.chat_template)
-            messages = _messages(args, encoder)
+        # Before the model loads: a conversation the template cannot render.
+        encoder = _chat_encoder(tokenizer, args.chat_template) if args.chat else None
+        given, prompts = _prompts(args, encoder)
         model = load_model(path, mesh)
         if tokenizer.vocab_size > model.embed.shape[0]:
             raise ConfigError(
                 f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                 f"{model.embed.shape[0]} embeddings; pass the checkpoint's own --tokenizer"
             )
-        if args.chat:
-            output = generate_chat(
-                model, encoder, messages, args.max_new_tokens, args.temperature, seed=args.seed
-            )
-        else:
-            output = args.prompt + generate(
-                model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, seed=args.seed
-            )
+        generate = (
+            partial(complete_texts, model, tokenizer)
+            if encoder is None
+            else partial(answer_chats, model, encoder)
+        )
+        sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        for first in range(0, len(prompts), args.batch_size):
+            batch = prompts[first : first + args.batch_size]
+            outputs = generate(batch, args.max_new_tokens, seed=args.seed + first, **sampling)
+            for prompt, output in zip(given[first:], outputs, strict=False):
+                if args.prompts is not None:
+                    print(json.dumps({"prompt": prompt, "completion": output}), flush=True)
+                else:
+                    print(output if args.chat else args.prompt + output)
     except ConfigError as err:
         fail(str(err))
-    print(output)
     return 0
 
 
+def _check_sampling(args: argparse.Namespace) -> None:
+    """--top-k and --top-p sample, with sensible values; --batch-size goes with --prompts."""
+    if args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise ConfigError(
+            f"--top-k={args.top_k} must be >= 0 (0: all tokens) and --top-p={args.top_p} in "
+            "(0, 1] (1: all tokens)"
+        )
+    if args.temperature == 0 and (args.top_k > 0 or args.top_p < 1):
+        raise ConfigError(
+            "--top-k and --top-p choose among the tokens to sample, but --temperature=0 picks "
+            "the most likely one; set --temperature (e.g. 1.0) to sample"
+        )
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size={args.batch_size} must be >= 1")
+
+
 def _check_prompt(args: argparse.Namespace) -> None:
-    """The prompt, --messages and the chat options go together as --help says."""
+    """The prompt, --prompts, --messages and the chat options go together as --help says."""
+    if args.prompts is not None:
+        given = {
+            "the prompt argument": args.prompt,
+            "--messages": args.messages,
+            "--system": args.system,
+        }
+        extra = [name for name, value in given.items() if value is not None]
+        if extra:
+            raise ConfigError(f"--prompts holds every prompt; drop {' and '.join(extra)}")
+        return
     if not args.chat:
         options = {"--system": args.system, "--chat-template": args.chat_template}
         extra = [name for name, value in options.items() if value is not None]
@@ -166,6 +227,43 @@ def _chat_encoder(tokenizer: Tokenizer, chat_template: str | None) -> ChatEncode
     except ConfigError as err:
         message = str(err).replace("data.chat_template", "--chat-template")
         raise ConfigError(message.replace("data.tokenizer=", "tokenizer ")) from None
+
+
+def _prompts(args: argparse.Namespace, encoder: ChatEncoder | None) -> tuple[list, list]:
+    """The prompts as given (each of --prompts' lines or records, else the one prompt) and as
+    generated for: texts, or with --chat conversations, each checked by rendering it."""
+    if args.prompts is None:
+        return [args.prompt], [args.prompt if encoder is None else _messages(args, encoder)]
+    file = Path(args.prompts)
+    if not file.is_file():
+        raise ConfigError(f"--prompts={args.prompts!r} is not a file")
+    given, prompts = [], []
+    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"--prompts {file}:{number}"
+        prompt = line
+        if file.suffix == ".jsonl":
+            try:
+                prompt = json.loads(line)["prompt"]
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError(
+                    f'{where}: a .jsonl line must be a record with "prompt" (a string, or with '
+                    "--chat a list of messages)"
+                ) from None
+        if encoder is None and not isinstance(prompt, str):
+            raise ConfigError(f"{where}: the prompt is not a string; pass --chat for messages")
+        given.append(prompt)
+        if encoder is not None:
+            prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            try:
+                encoder.render_generation_prompt(prompt)
+            except ValueError as err:  # not a conversation (DataError)
+                raise ConfigError(f"{where}: {err}") from None
+        prompts.append(prompt)
+    if not prompts:
+        raise ConfigError(f"--prompts={args.prompts!r} holds no prompt")
+    return given, prompts
 
 
 def _messages(args: argparse.Namespace, encoder: ChatEncoder) -> list:

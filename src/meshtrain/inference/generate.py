@@ -43,14 +43,44 @@ def prompt_bucket(length: int) -> int:
     return max(MIN_BUCKET, 1 << (length - 1).bit_length())
 
 
-def _pick(logits: jax.Array, key: jax.Array, temperature, *, vocab_size: int, greedy: bool):
-    """The next token from logits [1, V]: the most likely, or sampled at `temperature`."""
-    logits = logits[0].astype(jnp.float32)  # [V]
+def _pick(
+    logits: jax.Array,
+    key: jax.Array,
+    temperature,
+    top_k=0,
+    top_p=1.0,
+    *,
+    vocab_size: int,
+    greedy: bool,
+    truncate: bool = False,
+) -> jax.Array:
+    """The next token of each row from logits [B, V] (int32 [B]): the most likely (`greedy`), or
+    sampled from softmax(logits / temperature), with `truncate` only among the row's top_k most
+    likely tokens (0: all) and, of those, the fewest whose probabilities add up to top_p (1:
+    all), in transformers' order (temperature, then top-k, then top-p; ties at either cut kept)."""
+    logits = logits.astype(jnp.float32)  # [B, V]
     # Embedding rows past the tokenizer's vocabulary are padding, never a real token.
-    logits = jnp.where(jnp.arange(logits.shape[0]) < vocab_size, logits, -jnp.inf)
+    logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
     if greedy:
-        return jnp.argmax(logits).astype(jnp.int32)
-    return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if truncate:
+        logits = _top_k_top_p(logits, top_k, top_p)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _top_k_top_p(logits: jax.Array, top_k, top_p) -> jax.Array:
+    """logits [B, V] with every token outside the top-k / top-p set of its row at -inf."""
+    ranked = -jnp.sort(-logits, axis=-1)  # [B, V], most likely first
+    vocab = logits.shape[-1]
+    kept = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    ranked = jnp.where(ranked < ranked[:, kept - 1][:, None], -jnp.inf, ranked)  # the top k
+    probabilities = jax.nn.softmax(ranked, axis=-1)  # [B, V]
+    before = jnp.cumsum(probabilities, axis=-1) - probabilities  # the mass ranked above each
+    in_nucleus = (before < top_p) | (top_p >= 1)  # the most likely token always is
+    last = jnp.sum(in_nucleus & (ranked > -jnp.inf), axis=-1, keepdims=True)  # [B, 1]
+    threshold = jnp.take_along_axis(ranked, jnp.maximum(last - 1, 0), axis=-1)  # [B, 1]
+    return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
 @partial(nnx.jit, static_argnames=("cache_length", "vocab_size", "greedy"), graph=False)
@@ -58,7 +88,7 @@ def _prefill(model, tokens, length, seed, temperature, *, cache_length, vocab_si
     """The first new token after tokens[0, :length] (int32 [1, bucket]), the cache, the key."""
     logits, cache = decode.prefill(model, tokens, length, cache_length)  # [1, V]
     key, step_key = jax.random.split(jax.random.key(seed))
-    token = _pick(logits, step_key, temperature, vocab_size=vocab_size, greedy=greedy)
+    token = _pick(logits, step_key, temperature, vocab_size=vocab_size, greedy=greedy)[0]
     return constrain(token, (), model.rules), cache, key  # replicated: every process reads it
 
 
@@ -67,8 +97,47 @@ def _decode(model, token, position, cache, key, temperature, *, vocab_size, gree
     """The token after `token` (int32 scalar) at `position`, the updated cache, the next key."""
     logits, cache = decode.decode_step(model, token.reshape(1, 1), position, cache)  # [1, V]
     key, step_key = jax.random.split(key)
-    token = _pick(logits, step_key, temperature, vocab_size=vocab_size, greedy=greedy)
+    token = _pick(logits, step_key, temperature, vocab_size=vocab_size, greedy=greedy)[0]
     return constrain(token, (), model.rules), cache, key
+
+
+@partial(
+    nnx.jit,
+    static_argnames=("max_new_tokens", "vocab_size", "greedy", "truncate"),
+    graph=False,
+)
+def _generate_batch(
+    model, tokens, pad, stop_ids, seed, temperature, top_k, top_p, **static
+) -> tuple[jax.Array, jax.Array]:
+    """Up to max_new_tokens ids after each left-padded prompt of tokens [B, P] (int32; `pad` [B]
+    padding slots before each): one prefill, then decode steps in a loop on the device until
+    every row has picked one of `stop_ids` [n] or max_new_tokens are picked. Returns the picked
+    ids [B, max_new_tokens] (0 after a row's stop id) and the steps run (a scalar)."""
+    max_new_tokens = static.pop("max_new_tokens")
+    batch, bucket = tokens.shape
+    pick = partial(_pick, temperature=temperature, top_k=top_k, top_p=top_p, **static)
+    logits, cache = decode.prefill(model, tokens, bucket, bucket + max_new_tokens, pad)  # [B, V]
+    key, step_key = jax.random.split(jax.random.key(seed))
+    token = constrain(pick(logits, step_key), ("batch",), model.rules)  # [B]
+    picked = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token)
+    done = jnp.isin(token, stop_ids)  # [B]
+
+    def more(carry) -> jax.Array:
+        step, *_, done = carry
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    def next_token(carry):
+        step, token, cache, key, picked, done = carry
+        logits, cache = decode.decode_step(model, token[:, None], bucket + step - 1, cache, pad)
+        key, step_key = jax.random.split(key)
+        token = jnp.where(done, 0, pick(logits, step_key))  # a finished row picks nothing
+        token = constrain(token, ("batch",), model.rules)
+        picked = jax.lax.dynamic_update_slice_in_dim(picked, token[:, None], step, axis=1)
+        return step + 1, token, cache, key, picked, done | jnp.isin(token, stop_ids)
+
+    carry = (jnp.int32(1), token, cache, key, picked, done)
+    steps, _, _, _, picked, _ = jax.lax.while_loop(more, next_token, carry)
+    return constrain(picked, (), model.rules), steps  # replicated: every process reads them
 
 
 def picked_ids(
@@ -108,42 +177,67 @@ def picked_ids(
         position += 1
 
 
-def generate_ids(
+def generate_ids_batch(
     model: Transformer,
-    prompt_ids: Sequence[int] | np.ndarray,
+    prompts: Sequence[Sequence[int] | np.ndarray],
     max_new_tokens: int = 32,
     temperature: float = 0.0,
     *,
+    top_k: int = 0,
+    top_p: float = 1.0,
     stop_ids: Iterable[int] = (),
     vocab_size: int | None = None,
     seed: int = 0,
-) -> np.ndarray:
-    """The ids the model picks after `prompt_ids`, int32 [at most max_new_tokens]: they end with
-    the first of `stop_ids` picked, which is kept (as transformers' generate keeps its eos).
-    temperature 0 picks the most likely token; above 0 samples from softmax(logits / temperature).
-    Ids from `vocab_size` on (default: the model's embedding rows) are never picked."""
-    ids = np.asarray(prompt_ids, np.int32).reshape(-1)
-    if not ids.size:
-        raise ValueError("the prompt has no tokens to start from")
+) -> list[np.ndarray]:
+    """The ids the model picks after each of `prompts`, decoded together as one batch (rows
+    sharded over the batch axes of the parameters' mesh): int32 [at most max_new_tokens] each,
+    ending with the first of `stop_ids` picked, which is kept (as transformers' generate keeps
+    its eos). temperature 0 picks the most likely token; above 0 samples from
+    softmax(logits / temperature), among the top_k most likely (0: all) and the fewest of
+    those whose probabilities reach top_p (1: all). Ids from `vocab_size` on (default: the
+    model's embedding rows) are never picked. One program per (batch size, prompt bucket,
+    max_new_tokens, sampling kind): the prompts are left-padded to the bucket of the longest."""
+    rows = [np.asarray(ids, np.int32).reshape(-1) for ids in prompts]
+    if not rows:
+        return []
+    if any(not ids.size for ids in rows):
+        raise ValueError("a prompt has no tokens to start from")
     if max_new_tokens < 1:
-        return np.zeros(0, np.int32)
-    stops = {int(i) for i in stop_ids}
-    bucket = prompt_bucket(ids.size)
-    new: list[int] = []
+        return [np.zeros(0, np.int32) for _ in rows]
+    bucket = prompt_bucket(max(ids.size for ids in rows))
+    tokens = np.zeros((len(rows), bucket), np.int32)  # [B, bucket], each prompt at the end
+    pad = np.array([bucket - ids.size for ids in rows], np.int32)  # [B]
+    for row, ids in enumerate(rows):
+        tokens[row, pad[row] :] = ids
+    stops = sorted({int(i) for i in stop_ids}) or [-1]  # -1: no id stops a row
     with model.on_params_mesh():
-        for picked in picked_ids(
+        picked, steps = _generate_batch(
             model,
-            ids,
-            bucket=bucket,
-            cache_length=bucket + max_new_tokens,
-            temperature=temperature,
-            vocab_size=model.embed.shape[0] if vocab_size is None else vocab_size,
-            seed=seed,
-        ):
-            new.append(picked)
-            if picked in stops or len(new) == max_new_tokens:
-                break
-    return np.asarray(new, np.int32)
+            tokens,
+            pad,
+            np.asarray(stops, np.int32),
+            np.int32(seed),
+            np.float32(max(temperature, 0.0)),
+            np.int32(top_k),
+            np.float32(top_p),
+            max_new_tokens=max_new_tokens,
+            vocab_size=int(model.embed.shape[0] if vocab_size is None else vocab_size),
+            greedy=temperature == 0,
+            truncate=temperature > 0 and (top_k > 0 or top_p < 1),
+        )
+    picked = np.asarray(picked)[:, : int(steps)]  # [B, steps]
+    out = []
+    for row in picked:
+        hits = np.flatnonzero(np.isin(row, stops))
+        out.append(row[: hits[0] + 1] if hits.size else row)
+    return out
+
+
+def generate_ids(
+    model: Transformer, prompt_ids: Sequence[int] | np.ndarray, *args: Any, **kwargs: Any
+) -> np.ndarray:
+    """The ids the model picks after one prompt: generate_ids_batch of a batch of one."""
+    return generate_ids_batch(model, [prompt_ids], *args, **kwargs)[0]
 
 
 def _until(ids: np.ndarray, stop_ids: Iterable[int]) -> np.ndarray:
@@ -151,54 +245,72 @@ def _until(ids: np.ndarray, stop_ids: Iterable[int]) -> np.ndarray:
     return ids[:-1] if ids.size and int(ids[-1]) in set(stop_ids) else ids
 
 
-def generate(
+def complete_texts(
     model: Transformer,
     tokenizer: Tokenizer,
-    prompt: str,
+    prompts: Sequence[str],
     max_new_tokens: int = 32,
     temperature: float = 0.0,
-    *,
-    seed: int = 0,
-) -> str:
-    """The text the model continues `prompt` with: up to max_new_tokens tokens, stopping at eos.
-    temperature 0 picks the most likely token; above 0 samples from softmax(logits / temperature)."""
-    ids = ([tokenizer.bos_id] if tokenizer.bos_id >= 0 else []) + tokenizer.encode(prompt).tolist()
-    if not ids:
-        raise ValueError("the prompt is empty and the tokenizer has no bos token to start from")
+    **sampling: Any,
+) -> list[str]:
+    """The text the model continues each prompt with, all decoded as one batch: up to
+    max_new_tokens tokens, stopping at eos. `sampling`: generate_ids_batch's top_k, top_p and
+    seed."""
+    rows = []
+    for prompt in prompts:
+        ids = [tokenizer.bos_id] if tokenizer.bos_id >= 0 else []
+        rows.append(ids + tokenizer.encode(prompt).tolist())
+        if not rows[-1]:
+            raise ValueError("the prompt is empty and the tokenizer has no bos token to start from")
     stop_ids = (tokenizer.eos_id,)
-    new = generate_ids(
+    new = generate_ids_batch(
         model,
-        ids,
+        rows,
         max_new_tokens,
         temperature,
         stop_ids=stop_ids,
         vocab_size=tokenizer.vocab_size,
-        seed=seed,
+        **sampling,
     )
-    return tokenizer.decode(_until(new, stop_ids))
+    return [tokenizer.decode(_until(ids, stop_ids)) for ids in new]
+
+
+def generate(
+    model: Transformer, tokenizer: Tokenizer, prompt: str, *args: Any, **kwargs: Any
+) -> str:
+    """The text the model continues `prompt` with: complete_texts of one prompt. temperature 0
+    picks the most likely token; above 0 samples from softmax(logits / temperature)."""
+    return complete_texts(model, tokenizer, [prompt], *args, **kwargs)[0]
+
+
+def answer_chats(
+    model: Transformer,
+    encoder: ChatEncoder,
+    conversations: Sequence[Sequence[dict]],
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    **sampling: Any,
+) -> list[str]:
+    """The assistant's answer to each conversation ({role, content} messages), all decoded as
+    one batch: each rendered with the encoder's chat template and its generation prompt
+    (ChatEncoder.render_generation_prompt), continued up to max_new_tokens tokens or the
+    template's end-of-turn token or eos, decoded without it. `sampling` as complete_texts'."""
+    prompts = [encoder.render_generation_prompt(messages) for messages in conversations]
+    stop_ids = {i for prompt in prompts for i in prompt.stop_ids}  # the same for every prompt
+    new = generate_ids_batch(
+        model,
+        [prompt.ids for prompt in prompts],
+        max_new_tokens,
+        temperature,
+        stop_ids=stop_ids,
+        vocab_size=encoder.tokenizer.vocab_size,
+        **sampling,
+    )
+    return [encoder.tokenizer.decode(_until(ids, stop_ids)) for ids in new]
 
 
 def generate_chat(
-    model: Transformer,
-    encoder: ChatEncoder,
-    messages: Sequence[dict],
-    max_new_tokens: int = 32,
-    temperature: float = 0.0,
-    *,
-    seed: int = 0,
+    model: Transformer, encoder: ChatEncoder, messages: Sequence[dict], *args: Any, **kwargs: Any
 ) -> str:
-    """The assistant's answer to `messages` ({role, content}): the conversation rendered with the
-    encoder's chat template and its generation prompt (ChatEncoder.render_generation_prompt),
-    continued up to max_new_tokens tokens or the template's end-of-turn token or eos, decoded
-    without it. temperature as generate's."""
-    prompt = encoder.render_generation_prompt(messages)
-    new = generate_ids(
-        model,
-        prompt.ids,
-        max_new_tokens,
-        temperature,
-        stop_ids=prompt.stop_ids,
-        vocab_size=encoder.tokenizer.vocab_size,
-        seed=seed,
-    )
-    return encoder.tokenizer.decode(_until(new, prompt.stop_ids))
+    """The assistant's answer to `messages`: answer_chats of one conversation."""
+    return answer_chats(model, encoder, [messages], *args, **kwargs)[0]

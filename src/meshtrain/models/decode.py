@@ -12,6 +12,11 @@ The cache holds, per layer, the rotated keys and the values of every position so
 the layers (K over tp, or replicated where models.abstract.fit_kv_heads replicates them).
 Positions past the current one hold zeros or the keys of prompt padding; the causal mask keeps
 any query from reading them, and the next token overwrites them.
+
+A batch of prompts of different lengths is left-padded (`pad` [B]: the padding slots before
+each row's prompt), so that every row's next token goes to the same cache slot: a row's RoPE
+position is its slot minus its padding, and no query reads a padding slot (a segment mask in
+the prefill, a key mask in the decode steps).
 """
 
 from __future__ import annotations
@@ -47,27 +52,45 @@ def init_cache(model: Transformer, batch: int, length: int) -> KVCache:
 
 
 def prefill(
-    model: Transformer, tokens: jax.Array, length: jax.Array, cache_length: int
+    model: Transformer,
+    tokens: jax.Array,
+    length: jax.Array,
+    cache_length: int,
+    pad: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Runs tokens [B, P] (a prompt of `length` tokens and any padding after it) with the
-    training path's attention kernel, and keeps their keys and values in a new cache of
-    `cache_length` ≥ P positions. Returns the logits [B, V] after token length - 1 (those of
-    the padding are never computed) and the cache."""
+    """Runs tokens [B, P] (slots 0 … length - 1 hold the prompts, each after its `pad` [B]
+    padding slots, default none; slots from `length` on are padding too) with the training
+    path's attention kernel, and keeps their keys and values in a new cache of `cache_length`
+    ≥ P slots. Returns the logits [B, V] after slot length - 1 (those of the padding after it
+    are never computed) and the cache."""
     batch, prompt = tokens.shape
     cache = init_cache(model, batch, cache_length)
-    positions = jnp.broadcast_to(jnp.arange(prompt), tokens.shape)  # [B, P]
-    x, cache = _run(model, tokens, positions, cache, start=0, prefill=True)  # [B, P, D]
+    positions = slots = jnp.broadcast_to(jnp.arange(prompt), tokens.shape)  # [B, P]
+    segments = None
+    if pad is not None:
+        segments = (slots >= pad[:, None]).astype(jnp.int32)  # [B, P]: 0 padding, 1 prompt
+        positions = jnp.maximum(slots - pad[:, None], 0)
+    x, cache = _run(
+        model, tokens, positions, cache, start=0, prefill=True, segments=segments
+    )  # [B, P, D]
     last = jax.lax.dynamic_slice_in_dim(x, length - 1, 1, axis=1)  # [B, 1, D]
     return model.logits(model.final_norm(last))[:, 0], cache
 
 
 def decode_step(
-    model: Transformer, tokens: jax.Array, position: jax.Array, cache: KVCache
+    model: Transformer,
+    tokens: jax.Array,
+    position: jax.Array,
+    cache: KVCache,
+    pad: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Runs tokens [B, 1] at `position` (every earlier position is in the cache): returns the
+    """Runs tokens [B, 1] at cache slot `position` (every earlier slot is in the cache; a row's
+    RoPE position is the slot minus its `pad` [B] padding slots, default none): returns the
     logits [B, V] of the next token and the cache with this token's keys and values added."""
     positions = jnp.full(tokens.shape, position, jnp.int32)  # [B, 1]
-    x, cache = _run(model, tokens, positions, cache, start=position, prefill=False)
+    if pad is not None:
+        positions = positions - pad[:, None]
+    x, cache = _run(model, tokens, positions, cache, start=position, prefill=False, key_pad=pad)
     return model.logits(model.final_norm(x))[:, 0], cache
 
 
@@ -79,10 +102,14 @@ def _run(
     *,
     start: jax.Array | int,
     prefill: bool,
+    segments: jax.Array | None = None,
+    key_pad: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """The blocks over tokens [B, T] at positions start … start + T - 1, each layer writing its
-    keys and values into the cache there. Returns the residual stream [B, T, D] before the
-    final norm, and the cache."""
+    """The blocks over tokens [B, T] at RoPE `positions` [B, T] and cache slots start … start +
+    T - 1, each layer writing its keys and values into the cache there: a prefill from slot 0
+    (`segments` [B, T]: optional segment ids of the tokens) or a decode step (`key_pad` [B]:
+    optional padding slots each row's queries never read). Returns the residual stream
+    [B, T, D] before the final norm, and the cache."""
     x = model.embed_tokens(tokens)  # [B, T, D]
     per_kind = model.rope_per_kind(positions)
     kernel, _ = model.attention_kernel(x.dtype)
@@ -90,7 +117,18 @@ def _run(
     def layer(block: Block, kind: int, x, keys, values):
         sin, cos, window = per_kind[kind]
         return _cached_block(
-            block, x, sin, cos, keys, values, start, window=window, kernel=kernel, prefill=prefill
+            block,
+            x,
+            sin,
+            cos,
+            keys,
+            values,
+            start,
+            window=window,
+            kernel=kernel,
+            prefill=prefill,
+            segments=segments,
+            key_pad=key_pad,
         )
 
     if not model.scan_layers:
@@ -132,13 +170,16 @@ def _cached_block(
     window: int | None,
     kernel: AttentionKernel,
     prefill: bool,
+    segments: jax.Array | None,
+    key_pad: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One Block over x [B, T, D] at positions start … start + T - 1, its attention reading the
+    """One Block over x [B, T, D] at slots start … start + T - 1, its attention reading the
     layer's cache keys and values [B, S, K, H] once this step's are written into them.
 
-    prefill (start 0): the queries see only the new keys, through the training path's kernel,
-    so the prompt's logits are those of the model's own call. Decode: the queries see the
-    whole cache, masked to the positions at or before them (and within the window)."""
+    prefill (start 0): the queries see only the new keys (of their own segment), through the
+    training path's kernel, so the prompt's logits are those of the model's own call. Decode:
+    the queries see the whole cache, masked to the slots at or before them (and within the
+    window), none of their row's first key_pad slots."""
     attn, rules = block.attn, block.rules
     q, k, v = attn.queries_keys_values(block.attn_norm(x), sin, cos)  # [B, T, N|K, H]
     keys = constrain(
@@ -149,12 +190,20 @@ def _cached_block(
     )
     if prefill:
         out = dot_product_attention(
-            q, *attn.expand_kv(k, v), kernel=kernel, scale=attn.scale, window=window
+            q,
+            *attn.expand_kv(k, v),
+            kernel=kernel,
+            scale=attn.scale,
+            window=window,
+            segment_ids=segments,
         )  # [B, T, N, H]
     else:
         all_keys, all_values = attn.expand_kv(keys, values)  # [B, S, K or N, H]
         query_positions = start + jnp.arange(q.shape[1])  # [T]
-        mask = attention_mask(query_positions, jnp.arange(keys.shape[1]), window=window)
+        key_slots = jnp.arange(keys.shape[1])  # [S]
+        mask = attention_mask(query_positions, key_slots, window=window)  # [1, 1, T, S]
+        if key_pad is not None:
+            mask = mask & (key_slots >= key_pad[:, None])[:, None, None, :]  # [B, 1, T, S]
         out = jax.nn.dot_product_attention(
             q, all_keys, all_values, mask=mask, scale=attn.scale, implementation="xla"
         )  # [B, T, N, H]
