@@ -1,17 +1,21 @@
 """Greedy or sampled generation: `meshtrain.generate(model, tokenizer, prompt)` continues a text
-up to eos; `generate_chat(model, encoder, messages)` answers a conversation rendered with a chat
-template (meshtrain.data.chat) up to its end-of-turn token or eos; both run `generate_ids`, the
-decoding loop on token ids with a set of ids to stop at, over `picked_ids` (the harness's
-generation runs it too). Their command line is meshtrain.cli.generate.
+up to eos and `complete_texts` a batch of them; `generate_chat(model, encoder, messages)`
+answers a conversation rendered with a chat template (meshtrain.data.chat) up to its
+end-of-turn token or eos, and `answer_chats` a batch of them; all run `generate_ids_batch`, the
+decoding of token ids with a set of ids to stop at. Their command line is meshtrain.cli.generate.
 
-Two compiled programs per (prompt length bucket, max_new_tokens): a prefill that runs the
-prompt, padded to a power of two (at least MIN_BUCKET tokens) so that prompts of similar
-lengths share it, and fills a key/value cache with room for the bucket plus max_new_tokens
-positions (models.decode); and a one-token decode step, reused for every further token, that
-reads the cache instead of rerunning the sequence. Each returns the picked token and the next
-random key, so nothing else compiles. On a sharded model (`meshtrain.load_hf(path, mesh)`,
-`load_checkpoint`) both run under the parameters' mesh, and the cache is sharded like the
-layers' keys and values. Tokens/s before and after the cache: docs/models.md.
+One compiled program per (batch size, prompt length bucket, max_new_tokens, sampling kind):
+the prompts left-padded to the power of two (at least MIN_BUCKET tokens) of the longest, so
+that prompts of similar lengths share it; a prefill that fills a key/value cache with room for
+the bucket plus max_new_tokens positions (models.decode); then a loop on the device of one-token
+decode steps that read the cache instead of rerunning the sequence, until every row has picked
+a stop id or max_new_tokens. On a sharded model (`meshtrain.load_hf(path, mesh)`,
+`load_checkpoint`) it runs under the parameters' mesh, the rows over the batch axes and the
+cache sharded like the layers' keys and values. Tokens/s: docs/models.md.
+
+The harness's generation (lm-eval's generate_until, whose stop strings are checked on the host)
+reads the picked ids one at a time from `picked_ids`: a prefill program and a decode-step
+program, each returning one token and the next random key.
 """
 
 from __future__ import annotations
