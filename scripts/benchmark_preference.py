@@ -234,7 +234,7 @@ def mean_pair_tokens(work: Path, seq_len: int) -> float:
     """The pairs' mean length in tokens (both sequences, the prompt twice), as meshtrain stores
     them."""
     sys.path.insert(0, str(REPO / "src"))
-    from meshtrain.data.chat_data import preference_options_for
+    from meshtrain.data.chat.records import preference_options_for
     from meshtrain.data.corpus_cache import tokenised_corpus
 
     options = preference_options_for(

@@ -73,7 +73,7 @@ def measured_peak(devices, compute_dtype: str) -> dict[str, Any]:
     published one where meshtrain knows the device."""
     import jax
 
-    from meshtrain.accelerators import accelerator_for_kind
+    from meshtrain.hardware.accelerators import accelerator_for_kind
     from meshtrain.observe.throughput import matmul_peak
 
     local = [d for d in devices if d.process_index == jax.process_index()]

@@ -148,7 +148,16 @@ def test_type_only_and_script_only_imports_are_no_runtime_edges():
 
 def test_lower_packages_never_import_training_or_the_command_line():
     graph = unit_graph()
-    for lower in ("config", "parallel", "models", "data", "hf", "checkpoint", "observe"):
+    for lower in (
+        "hardware",
+        "config",
+        "parallel",
+        "models",
+        "data",
+        "hf",
+        "checkpoint",
+        "observe",
+    ):
         assert not graph.get(lower, set()) & {"train", "cli", "inference"}, lower
 
 

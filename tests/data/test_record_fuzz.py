@@ -8,7 +8,7 @@ import random
 import pytest
 from helpers.paths import REPO
 
-from meshtrain.data.chat_data import chat_options_for, preference_options_for
+from meshtrain.data.chat.records import chat_options_for, preference_options_for
 from meshtrain.data.prepare import prepare
 from meshtrain.errors import DataError
 

@@ -15,7 +15,7 @@ from helpers.docs import fenced_blocks
 from helpers.paths import REPO
 from helpers.process import subprocess_env
 
-from meshtrain.data.chat import build_chat_encoder
+from meshtrain.data.chat.encoder import build_chat_encoder
 from meshtrain.inference.generate import generate_chat
 from meshtrain.inference.load import load_model
 

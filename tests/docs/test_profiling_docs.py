@@ -24,7 +24,7 @@ def marks(line: str) -> list[pytest.MarkDecorator]:
     """A large model with its layers unrolled compiles for 3 to 5 minutes on 2 cores: a
     rehearsal at a published size (`bench`; `python scripts/check_claims.py --all` measures the
     same plans and checks their totals); so is a published model compiled for a GPU target
-    (tests/targets/test_deviceless.py compiles the tiny one so in the slow set). With
+    (tests/hardware/test_deviceless.py compiles the tiny one so in the slow set). With
     model.scan_layers=true it takes seconds
     (tests/observe/test_memory_plan.py plans Gemma 3 27B so). A compile for a GPU target needs
     the gpu-compile extra, installed for the slow set; tracker lines run in

@@ -6,7 +6,7 @@ import pytest
 from helpers.paths import REPO
 from helpers.runs import train_tiny
 
-from meshtrain.data.chat import build_chat_encoder
+from meshtrain.data.chat.encoder import build_chat_encoder
 from meshtrain.inference.generate import generate_chat
 from meshtrain.inference.load import load_model
 from meshtrain.models.abstract import merge_model

@@ -19,7 +19,7 @@ from helpers.paths import REPO
 from safetensors.numpy import load_file, save_file
 
 from meshtrain.cli.generate import main
-from meshtrain.data.chat import build_chat_encoder
+from meshtrain.data.chat.encoder import build_chat_encoder
 from meshtrain.inference import generate as generation
 from meshtrain.inference.load import load_hf
 

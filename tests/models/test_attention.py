@@ -17,6 +17,7 @@ from helpers.config import compose_config
 from meshtrain.config import ModelConfig
 from meshtrain.config.validate import check_config
 from meshtrain.errors import ConfigError
+from meshtrain.hardware.target import TargetDevice, cudnn_version, target_device
 from meshtrain.models import attention as attention_module
 from meshtrain.models.attention import WindowOfKind, dot_product_attention
 from meshtrain.models.attention_choice import (
@@ -26,7 +27,6 @@ from meshtrain.models.attention_choice import (
 )
 from meshtrain.models.transformer import Transformer
 from meshtrain.observe.hlo import parse_module
-from meshtrain.parallel.target import TargetDevice, cudnn_version, target_device
 from meshtrain.train.documents import TokenFormat
 
 

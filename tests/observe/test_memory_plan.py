@@ -10,7 +10,7 @@ from helpers.config import compose_config
 from helpers.process import RUN_TRAINING, run_python
 from helpers.tiny_model import F32, MATRIX_PARAMS, NORM_PARAMS
 
-from meshtrain.accelerators import accelerator_named
+from meshtrain.hardware.accelerators import accelerator_named
 from meshtrain.observe.memory_plan import MemoryPlan
 from meshtrain.train.dry_run import dry_run
 from meshtrain.units import GIB

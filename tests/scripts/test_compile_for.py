@@ -1,5 +1,5 @@
 """scripts/compile_for.py's gates, on recorded results (the compiles themselves are the slow test
-in tests/targets/test_deviceless.py): the step's fusions per layer against llama3_1b's, the same
+in tests/hardware/test_deviceless.py): the step's fusions per layer against llama3_1b's, the same
 on every machine, rather than its compile time per layer, which the machine's load moves."""
 
 import argparse

@@ -16,7 +16,7 @@ from helpers.paths import REPO
 from helpers.runs import train_tiny
 
 from meshtrain.cli.generate import main
-from meshtrain.data.chat import build_chat_encoder
+from meshtrain.data.chat.encoder import build_chat_encoder
 from meshtrain.errors import ConfigError
 from meshtrain.inference.generate import generate_chat
 from meshtrain.inference.load import load_model

@@ -12,7 +12,7 @@ from helpers.paths import REPO
 from helpers.runs import train_tiny
 
 from meshtrain.data import BatchIterator
-from meshtrain.data.flags import DOCUMENT_START, NOT_TRAINED
+from meshtrain.data.chat.marks import DOCUMENT_START, NOT_TRAINED
 from meshtrain.models.abstract import merge_model
 from meshtrain.train.documents import DocumentBoundaries, TokenFormat
 from meshtrain.train.optimizer import build_optimizer

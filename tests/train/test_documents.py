@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from helpers.config import compose_config
 
-from meshtrain.data.flags import DOCUMENT_START, NOT_TRAINED
+from meshtrain.data.chat.marks import DOCUMENT_START, NOT_TRAINED
 from meshtrain.data.tokenizer import NO_TOKEN
 from meshtrain.models.transformer import Transformer
 from meshtrain.train.documents import DocumentBoundaries, TokenFormat, document_boundaries

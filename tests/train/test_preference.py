@@ -21,7 +21,7 @@ from helpers.runs import train_tiny
 from meshtrain.config.objective import ObjectiveConfig
 from meshtrain.config.schema import DEFAULT_LOGICAL_AXIS_RULES
 from meshtrain.config.validate import check_config
-from meshtrain.data.flags import DOCUMENT_START, NOT_TRAINED
+from meshtrain.data.chat.marks import DOCUMENT_START, NOT_TRAINED
 from meshtrain.errors import ConfigError
 from meshtrain.models.abstract import abstract_model
 from meshtrain.models.transformer import Transformer

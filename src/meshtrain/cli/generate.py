@@ -29,7 +29,7 @@ from pathlib import Path
 
 from meshtrain.cli.exit import fail
 from meshtrain.cli.train import skip_gpu_plugin_without_gpu
-from meshtrain.data.chat import ChatEncoder, build_chat_encoder
+from meshtrain.data.chat.encoder import ChatEncoder, build_chat_encoder
 from meshtrain.data.tokenizer import Tokenizer, build_tokenizer
 from meshtrain.errors import ConfigError
 from meshtrain.inference.generate import answer_chats, complete_texts

@@ -8,7 +8,6 @@ are opened, still before anything compiles: `meshtrain.train.setup.prepare` call
 
 from __future__ import annotations
 
-from meshtrain.accelerators import accelerator_named
 from meshtrain.config.context import check_context_parallel
 from meshtrain.config.epochs import check_epochs
 from meshtrain.config.evaluation import check_eval
@@ -42,9 +41,10 @@ from meshtrain.config.schema import (
 )
 from meshtrain.config.trackers import check_logging
 from meshtrain.errors import ConfigError, require
+from meshtrain.hardware.accelerators import accelerator_named
+from meshtrain.hardware.gpu_specs import gpu_spec
 from meshtrain.parallel.mesh import MeshSpec
 from meshtrain.parallel.rules import check_rules, mesh_axes_for
-from meshtrain.targets.gpu_specs import gpu_spec
 
 
 def _one_of(key: str, value: str, choices: tuple[str, ...]) -> None:

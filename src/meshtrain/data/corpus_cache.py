@@ -4,7 +4,7 @@ cached on disk (data.cache_dir), so that a second launch neither reads nor token
 An entry is named by a hash of everything its tokens depend on: each file's absolute path, size
 and modification time (in order), the directory the document keys are relative to, the
 tokenizer (meshtrain.data.shards.tokenizer_identity: its kind, special ids and its files'
-contents), data.text_key, data.on_bad_record, chat data's options (meshtrain.data.chat_data)
+contents), data.text_key, data.on_bad_record, chat data's options (meshtrain.data.chat.records)
 and the source of the modules that read and
 tokenise. Editing, adding or removing a file therefore makes a new entry; nothing is ever
 served stale. A hit is opened as it is: start-up costs a stat per file, and the checks of
@@ -52,10 +52,11 @@ _SOURCES = (
     "tokenizer.py",
     "corpus_cache.py",
     "parts.py",
-    "chat.py",
-    "chat_template.py",
-    "chat_data.py",
-    "preference.py",
+    "chat/encoder.py",
+    "chat/template.py",
+    "chat/records.py",
+    "chat/pairs.py",
+    "chat/marks.py",
 )
 
 

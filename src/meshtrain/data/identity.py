@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from meshtrain.config.schema import DataConfig
-from meshtrain.data.chat_data import MARKED_SOURCES
+from meshtrain.data.chat.records import MARKED_SOURCES
 from meshtrain.data.integrity import MANIFEST, sample_sha256
 from meshtrain.data.sources import list_documents, resolve_paths, resolve_root
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from meshtrain.data.flags import ID_BITS
+from meshtrain.data.chat.marks import ID_BITS
 from meshtrain.errors import DataError
 
 MANIFEST = "manifest.json"
@@ -197,7 +197,7 @@ def read_docs(path: Path, unit: dict[str, Any], remedy: str) -> np.ndarray:
 
 
 def _largest_id(flat: np.ndarray) -> int | None:
-    """The largest token id of a unit's tokens, without chat data's marks (data.flags: uint32
+    """The largest token id of a unit's tokens, without chat data's marks (data.chat.marks: uint32
     ids only); None for no tokens."""
     if not flat.size:
         return None

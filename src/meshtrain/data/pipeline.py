@@ -11,8 +11,8 @@ import numpy as np
 
 from meshtrain.config import DataConfig
 from meshtrain.config.caches import cache_dir
-from meshtrain.data.chat_data import MARKED_SOURCES, chat_options
-from meshtrain.data.conversations import PackedConversations
+from meshtrain.data.chat.packing import PackedConversations
+from meshtrain.data.chat.records import MARKED_SOURCES, chat_options
 from meshtrain.data.corpus_cache import tokenised_corpus
 from meshtrain.data.mixture import (
     InOrder,

@@ -27,7 +27,7 @@ from rich.progress import (
 )
 
 from meshtrain.data.bad_records import ON_BAD_RECORD, BadRecords
-from meshtrain.data.chat_data import flagged_ids, record_keys
+from meshtrain.data.chat.records import flagged_ids, record_keys
 from meshtrain.data.parts import Part, split_jsonl, split_parquet
 from meshtrain.data.shards import (
     FORMAT_VERSION,
@@ -254,7 +254,7 @@ def prepare(
     unit_bytes: int = UNIT_BYTES,
 ) -> PreparedCorpus:
     """Tokenises the documents of `files` into the prepared directory `out` and opens it; with
-    `chat` (meshtrain.data.chat_data.chat_options), their conversations, marked for the loss.
+    `chat` (meshtrain.data.chat.records.chat_options), their conversations, marked for the loss.
 
     Resumes an interrupted run with the same plan; a complete `out` is opened as it is.
     `progress` shows a bar over input bytes (on a terminal) and prints a summary line.

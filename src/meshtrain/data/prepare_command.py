@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.data.bad_records import ON_BAD_RECORD
-from meshtrain.data.chat_data import TRAIN_ON, chat_options_for
+from meshtrain.data.chat.records import TRAIN_ON, chat_options_for
 from meshtrain.data.prepare import prepare
 from meshtrain.data.sources import resolve_paths
 from meshtrain.errors import error_line

@@ -34,7 +34,7 @@ from typing import IO, Any
 import numpy as np
 
 from meshtrain.data.bad_records import BadRecords
-from meshtrain.data.flags import ID_BITS
+from meshtrain.data.chat.marks import ID_BITS
 from meshtrain.data.integrity import (
     MANIFEST,
     REPREPARE,
@@ -251,7 +251,7 @@ class PreparedCorpus:
         ids = np.frombuffer(data, self._dtype).astype(np.int32)
         if self._id_limit is None:
             return ids
-        largest = int((ids & ID_BITS).max())  # chat data: without the marks (data.flags)
+        largest = int((ids & ID_BITS).max())  # chat data: without the marks (data.chat.marks)
         if largest >= self._id_limit[0]:
             limit, key = self._id_limit
             problem = (

@@ -23,7 +23,7 @@ def use_fake_cpu_devices(count: int | None) -> None:
 
 
 def compile_here_for(target: str | None) -> None:
-    """plan.target: this host's CPU compiles for GPUs it lacks (meshtrain.targets), so JAX must
+    """plan.target: this host's CPU compiles for GPUs it lacks (meshtrain.hardware), so JAX must
     not look for a GPU of its own (the CUDA plugin the compile needs would fail to start
     without one). Must run before JAX starts."""
     if target is not None:

@@ -38,7 +38,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from meshtrain.checkpoint.layout import find_checkpoints
-from meshtrain.data.chat_template import ChatTemplate, load_chat_template
+from meshtrain.data.chat.template import ChatTemplate, load_chat_template
 from meshtrain.data.tokenizer import Tokenizer, build_tokenizer
 from meshtrain.errors import ConfigError, DataError
 from meshtrain.harness.engine import Engine, Generation

@@ -64,7 +64,7 @@ def generation_config(special: dict[str, int], directory: Path) -> dict[str, Any
     that close an assistant turn where the tokenizer in `directory` has a chat template (as
     published chat checkpoints list them, so that transformers' generate stops at the end of an
     answer: `<end_of_turn>`, `<|eot_id|>`, `<|im_end|>`)."""
-    from meshtrain.data.chat import build_chat_encoder  # jinja2: only for an export
+    from meshtrain.data.chat.encoder import build_chat_encoder  # jinja2: only for an export
 
     try:
         stops = build_chat_encoder(str(directory)).stop_ids

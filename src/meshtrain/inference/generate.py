@@ -1,6 +1,6 @@
 """Greedy or sampled generation: `meshtrain.generate(model, tokenizer, prompt)` continues a text
 up to eos and `complete_texts` a batch of them; `generate_chat(model, encoder, messages)`
-answers a conversation rendered with a chat template (meshtrain.data.chat) up to its
+answers a conversation rendered with a chat template (meshtrain.data.chat.encoder) up to its
 end-of-turn token or eos, and `answer_chats` a batch of them; all run `generate_ids_batch`, the
 decoding of token ids with a set of ids to stop at. Their command line is meshtrain.cli.generate.
 
@@ -35,7 +35,7 @@ from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.rules import constrain
 
 if TYPE_CHECKING:
-    from meshtrain.data.chat import ChatEncoder
+    from meshtrain.data.chat.encoder import ChatEncoder
 
 MIN_BUCKET = 16  # the shortest padded prompt: shorter prompts share one prefill program
 

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshtrain.parallel.target import target_device
+from meshtrain.hardware.target import target_device
 
 AttentionKernel = Literal["xla", "chunked", "cudnn"]
 """What actually runs (see the module docstring); `select_attention` maps model.attention to one."""

@@ -5,7 +5,7 @@ kernels of meshtrain.models.attention, once per model and compute dtype, with th
 of 8, ≤ 256 on Hopper and Blackwell with a recent cuDNN, ≤ 128 elsewhere: cudnn_head_dim_limit),
 and chunked otherwise, also wherever the sequence is split over cp (cuDNN's causal mask cannot
 offset a chunk's queries). The GPU is the one the program is compiled for
-(meshtrain.parallel.target), so a GPU program compiled from a CPU host picks what a GPU host
+(meshtrain.hardware.target), so a GPU program compiled from a CPU host picks what a GPU host
 would.
 """
 
@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 from meshtrain.config.schema import AttentionImpl
 from meshtrain.errors import ConfigError
+from meshtrain.hardware.target import TargetDevice, cudnn_version, target_device
 from meshtrain.models.attention import AttentionKernel
-from meshtrain.parallel.target import TargetDevice, cudnn_version, target_device
 
 _HALF_PRECISION = (jnp.bfloat16, jnp.float16)
 

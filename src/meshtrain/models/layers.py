@@ -16,12 +16,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtrain.config.schema import RopeScaling
+from meshtrain.hardware.target import target_device
 from meshtrain.models.attention import AttentionKernel, WindowOfKind, dot_product_attention
 from meshtrain.models.context_attention import context_parallel_attention
 from meshtrain.models.lora import AdapterDropout, LoraSpec, adapter_output, add_adapter
 from meshtrain.parallel.context import CONTEXT_AXIS, context_layout, sequence_axes
 from meshtrain.parallel.rules import Rules, constrain, mesh_axes_for, rules_without
-from meshtrain.parallel.target import target_device
 
 
 def normal_param(

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from meshtrain.accelerators import accelerator_named
+from meshtrain.hardware.accelerators import accelerator_named
 from meshtrain.parallel.rules import without_axes
 from meshtrain.units import GIB, format_bytes, format_flops
 

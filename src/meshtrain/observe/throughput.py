@@ -2,7 +2,7 @@
 the time the loop waited for data.
 
 MFU = model FLOPs per second per device (meshtrain.observe.flops) / the device's peak. The peak
-comes from meshtrain.accelerators for known GPUs and TPUs, in the run's compute dtype. A CPU has
+comes from meshtrain.hardware.accelerators for known GPUs and TPUs, in the run's compute dtype. A CPU has
 no published peak that means anything, so its peak is measured: the best rate of a square matmul
 in the compute dtype over sizes 256² up to at least 2048² (`measure_matmul_peak`), on one device,
 which XLA runs on all the cores. That machine rate is measured once per machine and cached in
@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from meshtrain.accelerators import accelerator_for_kind
 from meshtrain.config.caches import cache_root
+from meshtrain.hardware.accelerators import accelerator_for_kind
 from meshtrain.observe.progress import phase
 from meshtrain.units import GIB, format_flops
 

@@ -4,7 +4,7 @@ that carry loss, and, for document masking, each input's segment id and position
 Text: packing (meshtrain.data.packing) lays documents out as `[bos] doc [eos]` blocks in one
 stream cut into sequences, so a document starts at each bos token, or, for a tokenizer without
 bos (Qwen), right after each eos; every target but padding carries loss. Chat data
-(data.source=chat): the ids carry marks in their high bits (meshtrain.data.flags), which say
+(data.source=chat): the ids carry marks in their high bits (meshtrain.data.chat.marks), which say
 which targets are trained and where each packed conversation starts; with document masking no
 target is trained across a conversation's start.
 
@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.config.schema import DataConfig
-from meshtrain.data.chat_data import MARKED_SOURCES
-from meshtrain.data.flags import DOCUMENT_START, ID_BITS, NOT_TRAINED
+from meshtrain.data.chat.marks import DOCUMENT_START, ID_BITS, NOT_TRAINED
+from meshtrain.data.chat.records import MARKED_SOURCES
 from meshtrain.data.tokenizer import NO_TOKEN, build_tokenizer
 
 
@@ -58,7 +58,7 @@ class TokenFormat:
 
     pad_id: int = NO_TOKEN  # text: targets equal to it carry no loss (NO_TOKEN: none)
     documents: DocumentBoundaries | None = None  # None: no document masking
-    flagged: bool = False  # chat data: the ids carry meshtrain.data.flags' marks
+    flagged: bool = False  # chat data: the ids carry meshtrain.data.chat.marks' marks
 
     def read(
         self, tokens: jax.Array

@@ -1,7 +1,7 @@
 """`training.dry_run=true`: the real initialisation and train step compiled for the mesh, no
 weight allocated; the memory plan logged and written to plan.json, the compile times, fusions
 and attention kernel to compile.json (docs/planning.md). With plan.target, for GPUs this host
-lacks (meshtrain.targets)."""
+lacks (meshtrain.hardware)."""
 
 from __future__ import annotations
 
@@ -16,17 +16,17 @@ import optax
 
 from meshtrain.config.run_record import keep_run_record
 from meshtrain.config.schema import Config
-from meshtrain.models.initialization import initial_params_programs
-from meshtrain.observe.compile_report import CompileReport, ProgramCompile, measure
-from meshtrain.observe.memory_plan import MemoryPlan
-from meshtrain.observe.metrics import setup_logging
-from meshtrain.parallel.target import device_target
-from meshtrain.targets.deviceless import (
+from meshtrain.hardware.deviceless import (
     jax_cudnn_checks_answer_for,
     mesh_device_count,
     target_devices,
 )
-from meshtrain.targets.gpu_specs import gpu_spec
+from meshtrain.hardware.gpu_specs import gpu_spec
+from meshtrain.hardware.target import device_target
+from meshtrain.models.initialization import initial_params_programs
+from meshtrain.observe.compile_report import CompileReport, ProgramCompile, measure
+from meshtrain.observe.memory_plan import MemoryPlan
+from meshtrain.observe.metrics import setup_logging
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.setup import Setup, compile_train_step, describe, inspect_compiled, prepare
 from meshtrain.train.state import (

@@ -1,7 +1,7 @@
 """Preference optimisation on pairs of answers (objective=dpo; docs/preference.md): DPO and its
 kin, with trl's DPOTrainer's definitions and metric names.
 
-A batch row packs whole pairs (meshtrain.data.preference): its documents 1, 2 are the first pair's
+A batch row packs whole pairs (meshtrain.data.chat.pairs): its documents 1, 2 are the first pair's
 chosen and rejected sequences, 3, 4 the second's, and so on; the targets that carry loss are the
 answers' tokens. For each sequence, its log-probability under the policy is the sum of its answer
 tokens' log-probabilities (logps/chosen, logps/rejected), and under the reference likewise.

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from meshtrain.accelerators import accelerator_for_kind, accelerator_named
 from meshtrain.errors import ConfigError
+from meshtrain.hardware.accelerators import accelerator_for_kind, accelerator_named
 
 
 def test_accelerator_table():

@@ -1,4 +1,4 @@
-"""Chat records → ids and trained masks (meshtrain.data.chat, meshtrain.data.chat_template) with
+"""Chat records → ids and trained masks (meshtrain.data.chat.encoder, meshtrain.data.chat.template) with
 the real templates of Gemma 3, Llama 3.2 and Qwen 3 on tiny tokenizers (tests/fixtures/chat/):
 the rendering and ids are transformers' (committed in expected.json; the slow tests compare with
 transformers itself), the trained tokens are exactly the assistants' words and the token that
@@ -15,8 +15,8 @@ from helpers.paths import REPO
 from helpers.tiny_tokenizers import train_sentencepiece
 from tokenizers import Tokenizer
 
-from meshtrain.data.chat import ChatEncoder, build_chat_encoder, load_chat_template
-from meshtrain.data.chat_template import ChatTemplate
+from meshtrain.data.chat.encoder import ChatEncoder, build_chat_encoder, load_chat_template
+from meshtrain.data.chat.template import ChatTemplate
 from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import ConfigError, DataError
 

@@ -1,7 +1,7 @@
 """Chat templates as transformers finds and renders them, without transformers: the Jinja source
 and the special token strings of a Hugging Face tokenizer directory, rendered with jinja2 in
 transformers' sandbox with its options and helpers (transformers/utils/chat_template_utils.py:
-_compile_jinja_template, render_jinja_template). meshtrain.data.chat encodes chats with it.
+_compile_jinja_template, render_jinja_template). meshtrain.data.chat.encoder encodes chats with it.
 
 Where the template comes from, first found wins (transformers' order for a local directory):
 data.chat_template (a .jinja file); chat_template.jinja beside the tokenizer, and the named
@@ -155,7 +155,7 @@ def one_line(error: BaseException) -> str:
 
 class _Generation(jinja2.ext.Extension):
     """transformers' {% generation %}...{% endgeneration %} (its AssistantTracker): the body as
-    it is (meshtrain.data.chat finds the assistant's tokens itself)."""
+    it is (meshtrain.data.chat.encoder finds the assistant's tokens itself)."""
 
     tags = {"generation"}  # noqa: RUF012 (jinja's class attribute)
 

@@ -4,8 +4,8 @@ Conversations are laid into windows of seq_len + 1 tokens in order, as many whol
 (greedy: the next one that does not fit starts a new window), and the rest of a window is
 padding. A conversation is never split across windows, so every sequence holds whole turns and
 document masking (data.document_masking) keeps its attention inside each conversation. Each
-token carries data.flags' marks: NOT_TRAINED where it is no target of the loss (stored with the
-tokens by meshtrain.data.chat_data; padding too), DOCUMENT_START on each conversation's first.
+token carries data.chat.marks' marks: NOT_TRAINED where it is no target of the loss (stored with the
+tokens by meshtrain.data.chat.records; padding too), DOCUMENT_START on each conversation's first.
 
 A conversation longer than a window is cut to the window (data.overlong=truncate: its trained
 tokens past the cut are lost), left out (drop) or a one-line error (error); the count is kept in
@@ -14,7 +14,7 @@ for a pair, an answer without one), which then teach nothing. Nothing is materia
 holds a few arrays per conversation.
 
 With `pairs` (preference data), each stored unit is a pair, chosen then rejected
-(meshtrain.data.preference), packed whole like a conversation; a pair longer than a window is
+(meshtrain.data.chat.pairs), packed whole like a conversation; a pair longer than a window is
 truncated by cutting the end of each sequence, the longer one first, so that both keep their
 start (the shared prompt and as much of each answer as fits).
 """
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from meshtrain.data.flags import DOCUMENT_START, NOT_TRAINED
-from meshtrain.data.preference import pair_bounds
+from meshtrain.data.chat.marks import DOCUMENT_START, NOT_TRAINED
+from meshtrain.data.chat.pairs import pair_bounds
 from meshtrain.errors import DataError
 
 if TYPE_CHECKING:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.accelerators import ACCELERATORS, Accelerator
 from meshtrain.errors import ConfigError
+from meshtrain.hardware.accelerators import ACCELERATORS, Accelerator
 
 
 @dataclass(frozen=True)
 class GpuSpec:
     """One GPU as XLA's deviceless compiler needs it; `name` is the value of plan.target and
-    of plan.device (meshtrain.accelerators: peak FLOP/s and memory)."""
+    of plan.device (meshtrain.hardware.accelerators: peak FLOP/s and memory)."""
 
     name: str
     device_kind: str  # what jax reports as device_kind on a real one

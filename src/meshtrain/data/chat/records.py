@@ -1,7 +1,7 @@
 """Chat and preference records as the token ids a prepared unit stores: each conversation
-rendered and marked by meshtrain.data.chat (data.source=chat), or each pair by
-meshtrain.data.preference (data.source=preference: chosen then rejected), its untrained tokens
-carrying data.flags' NOT_TRAINED bit (uint32 ids), so the trained tokens are stored with the
+rendered and marked by meshtrain.data.chat.encoder (data.source=chat), or each pair by
+meshtrain.data.chat.pairs (data.source=preference: chosen then rejected), its untrained tokens
+carrying data.chat.marks' NOT_TRAINED bit (uint32 ids), so the trained tokens are stored with the
 tokens and read with them.
 
 `chat_options(data)` are what define those ids beyond the tokenizer: the kind of record, its
@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from meshtrain.data.chat import ChatEncoder, build_chat_encoder, load_chat_template
-from meshtrain.data.flags import NOT_TRAINED
-from meshtrain.data.preference import PairEncoder, PreferenceKeys
+from meshtrain.data.chat.encoder import ChatEncoder, build_chat_encoder, load_chat_template
+from meshtrain.data.chat.marks import NOT_TRAINED
+from meshtrain.data.chat.pairs import PairEncoder, PreferenceKeys
 
 if TYPE_CHECKING:  # prepare's workers load no config package
     from meshtrain.config.schema import DataConfig
@@ -113,7 +113,7 @@ def record_keys(options: dict[str, Any]) -> tuple[str, ...]:
 
 def flagged_ids(tokenizer: str, options: dict[str, Any]) -> Callable[[dict], np.ndarray]:
     """record → uint32 [n]: its rendered token ids, NOT_TRAINED set on the tokens not trained
-    (a preference record: its pair, meshtrain.data.preference). Raises the encoder's one-line
+    (a preference record: its pair, meshtrain.data.chat.pairs). Raises the encoder's one-line
     DataError for a record it cannot use."""
     key = json.dumps([tokenizer, options], sort_keys=True)
     if is_preference(options):

@@ -1,4 +1,4 @@
-"""Preference records → pairs of sequences (meshtrain.data.preference), as trl's DPOTrainer
+"""Preference records → pairs of sequences (meshtrain.data.chat.pairs), as trl's DPOTrainer
 tokenizes them: the prompt's tokens shared, the answers trained, the pair stored as one unit
 (chosen, then rejected with DOCUMENT_START) and packed whole; every bad record is one line."""
 
@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 from helpers.paths import REPO
 
-from meshtrain.data.chat import build_chat_encoder
-from meshtrain.data.chat_data import flagged_ids, preference_options_for, record_keys
-from meshtrain.data.conversations import PackedConversations, truncated_pair
-from meshtrain.data.flags import DOCUMENT_START, ID_BITS, NOT_TRAINED
-from meshtrain.data.preference import (
+from meshtrain.data.chat.encoder import build_chat_encoder
+from meshtrain.data.chat.marks import DOCUMENT_START, ID_BITS, NOT_TRAINED
+from meshtrain.data.chat.packing import PackedConversations, truncated_pair
+from meshtrain.data.chat.pairs import (
     PairEncoder,
     PreferenceKeys,
     common_prefix_length,
     pair_bounds,
     split_implicit_prompt,
 )
+from meshtrain.data.chat.records import flagged_ids, preference_options_for, record_keys
 from meshtrain.errors import DataError
 
 FIXTURES = REPO / "tests" / "fixtures" / "chat"
@@ -168,7 +168,7 @@ def test_a_long_pair_is_cut_at_the_end_of_each_sequence():
 
 def test_pairs_pack_whole_into_sequences(tmp_path):
     """A prepared corpus of pairs packs each pair into one sequence, never split between two."""
-    from meshtrain.data.chat_data import preference_options_for as options_for
+    from meshtrain.data.chat.records import preference_options_for as options_for
     from meshtrain.data.corpus_cache import tokenised_corpus
 
     records = [

@@ -12,9 +12,9 @@ from helpers.config import compose_config
 from helpers.paths import REPO
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.target import TargetDevice, target_device
-from meshtrain.targets.deviceless import mesh_device_count, target_devices, topology_name
-from meshtrain.targets.gpu_specs import gpu_spec
+from meshtrain.hardware.deviceless import mesh_device_count, target_devices, topology_name
+from meshtrain.hardware.gpu_specs import gpu_spec
+from meshtrain.hardware.target import TargetDevice, target_device
 from meshtrain.train.dry_run import dry_run
 
 GIB = 2**30

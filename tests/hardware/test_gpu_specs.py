@@ -4,10 +4,10 @@ before JAX starts."""
 import pytest
 from helpers.config import compose_config
 
-from meshtrain.accelerators import ACCELERATORS
 from meshtrain.config.validate import check_config
 from meshtrain.errors import ConfigError
-from meshtrain.targets.gpu_specs import GPU_SPECS, gpu_spec
+from meshtrain.hardware.accelerators import ACCELERATORS
+from meshtrain.hardware.gpu_specs import GPU_SPECS, gpu_spec
 
 
 def test_each_target_is_a_known_accelerator_of_the_same_kind_and_memory():

@@ -18,8 +18,8 @@ from typing import Any
 import jax
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.target import TargetDevice, cudnn_version
-from meshtrain.targets.gpu_specs import GpuSpec
+from meshtrain.hardware.gpu_specs import GpuSpec
+from meshtrain.hardware.target import TargetDevice, cudnn_version
 
 GPUS_PER_NODE = 8
 INSTALL_HINT = "pip install -e '.[gpu-compile]' (JAX's CUDA plugin and its NVIDIA libraries)"

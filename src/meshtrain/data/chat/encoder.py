@@ -1,5 +1,5 @@
 """Chat records → token ids and the tokens to train, rendered as transformers' apply_chat_template
-renders them (meshtrain.data.chat_template: the same Jinja sandbox and helpers, the same template
+renders them (meshtrain.data.chat.template: the same Jinja sandbox and helpers, the same template
 file, the same special tokens) and tokenized as it tokenizes them (without added specials).
 
     encoder = build_chat_encoder(data.tokenizer, data.chat_template)  # None: the tokenizer's own
@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from meshtrain.data.chat_template import ChatTemplate, load_chat_template
+from meshtrain.data.chat.template import ChatTemplate, load_chat_template
 from meshtrain.data.tokenizer import HFTokenizer, build_tokenizer
 from meshtrain.errors import ConfigError, DataError
 

@@ -8,17 +8,17 @@ A record is written as trl's preference datasets are:
 - implicit prompt: `chosen` and `rejected` only, two conversations that share their first turns
   (the shared turns are the prompt, as trl's `extract_prompt` takes them).
 
-Conversations are rendered with the tokenizer's chat template (meshtrain.data.chat_template, as
+Conversations are rendered with the tokenizer's chat template (meshtrain.data.chat.template, as
 transformers' apply_chat_template renders them): the prompt with the template's generation
 prompt, then the prompt with each answer. Plain strings are tokenized as text, with the
 tokenizer's specials, each answer ending in eos. Either way, as trl does, each sequence is the
 tokenized prompt + answer, and its answer starts where it and the tokenized prompt alone first
 differ (the same point for both answers: the shorter of the two common prefixes), so the prompt
 tokens of the two sequences are the same. The answer tokens carry the loss, the prompt's carry
-data.flags' NOT_TRAINED.
+data.chat.marks' NOT_TRAINED.
 
 The pair is stored as one unit: the chosen sequence, then the rejected one, whose first token
-carries DOCUMENT_START. Packing keeps a unit whole in one sequence (meshtrain.data.conversations),
+carries DOCUMENT_START. Packing keeps a unit whole in one sequence (meshtrain.data.chat.packing),
 so the two answers of a pair are always in one micro-batch and on one device, and the objective
 (meshtrain.train.objectives.preference) finds each pair from the document starts: in a packed
 sequence, documents 1 and 2 are the first pair's chosen and rejected, 3 and 4 the second's...
@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from meshtrain.data.chat import ChatEncoder, checked_messages
-from meshtrain.data.flags import DOCUMENT_START, NOT_TRAINED
+from meshtrain.data.chat.encoder import ChatEncoder, checked_messages
+from meshtrain.data.chat.marks import DOCUMENT_START, NOT_TRAINED
 from meshtrain.errors import DataError
 
 

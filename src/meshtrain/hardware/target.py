@@ -1,6 +1,6 @@
 """The kind of device a program is compiled for, which need not be this host's.
 
-A program compiled for a GPU topology from a CPU host (`plan.target`, meshtrain.targets) must be
+A program compiled for a GPU topology from a CPU host (`plan.target`, meshtrain.hardware) must be
 the program a GPU host would compile: every choice made by platform (the attention kernel, the
 CPU-only barrier of the projections' backward pass) asks `target_device()`, which reads the
 device of the mesh being compiled for (jax.set_mesh), never `jax.devices()` alone.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import jax
 
-from meshtrain.accelerators import accelerator_for_kind
+from meshtrain.hardware.accelerators import accelerator_for_kind
 
 
 @dataclass(frozen=True)
