@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import meshtrain
     from meshtrain.hf.save import export_hf
-    from meshtrain.inference.load import hf_model_config
     from meshtrain.models.abstract import merge_model
     from meshtrain.train.loop import train
+    from meshtrain.weights.load import hf_model_config
 
     mesh = json.loads(args.mesh)
     report: dict = {"model": args.model, "mesh": mesh, "devices": args.devices, "seconds": {}}

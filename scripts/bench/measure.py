@@ -24,11 +24,11 @@ class MeshtrainStep:
         import jax
 
         from meshtrain.data import BatchIterator
-        from meshtrain.inference.lora_base import load_frozen_base
         from meshtrain.train.batch import process_rows, to_global_array
         from meshtrain.train.optimizer import build_optimizer
         from meshtrain.train.setup import compile_train_step, prepare
         from meshtrain.train.state import create_train_state, state_shardings
+        from meshtrain.weights.lora_base import load_frozen_base
 
         self.setup = setup = prepare(cfg, devices)
         tx = build_optimizer(cfg.training)

@@ -14,10 +14,10 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "load_hf": ("meshtrain.inference.load", "load_hf"),
-    "load_checkpoint": ("meshtrain.inference.load", "load_checkpoint"),
-    "load_model": ("meshtrain.inference.load", "load_model"),
-    "load_tokenizer": ("meshtrain.inference.load", "load_tokenizer"),
+    "load_hf": ("meshtrain.weights.load", "load_hf"),
+    "load_checkpoint": ("meshtrain.weights.load", "load_checkpoint"),
+    "load_model": ("meshtrain.weights.load", "load_model"),
+    "load_tokenizer": ("meshtrain.weights.load", "load_tokenizer"),
     "export_hf": ("meshtrain.hf.save", "export_hf"),
     "build_tokenizer": ("meshtrain.data.tokenizer", "build_tokenizer"),
     "generate": ("meshtrain.inference.generate", "generate"),

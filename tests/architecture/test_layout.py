@@ -157,8 +157,11 @@ def test_lower_packages_never_import_training_or_the_command_line():
         "hf",
         "checkpoint",
         "observe",
+        "weights",
     ):
         assert not graph.get(lower, set()) & {"train", "cli", "inference"}, lower
+    # Training starts from weights (meshtrain.weights), never from the inference package.
+    assert not graph["train"] & {"cli", "inference"}
 
 
 def test_a_handful_of_modules_at_the_top():

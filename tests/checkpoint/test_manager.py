@@ -25,7 +25,6 @@ from meshtrain.checkpoint import (
 from meshtrain.checkpoint.layout import fingerprints
 from meshtrain.data import BatchIterator
 from meshtrain.errors import ConfigError
-from meshtrain.inference.initial_weights import check_initial_weights, load_initial_params
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.setup import prepare
 from meshtrain.train.state import (
@@ -35,6 +34,7 @@ from meshtrain.train.state import (
     split_state,
     state_shardings,
 )
+from meshtrain.weights.initial_weights import check_initial_weights, load_initial_params
 
 FAST = ("training.log_every=1", "training.eval_every=0", "training.warmup_steps=1")
 WRITER = ("model.mesh_shape=[[8,1],[fsdp,tp]]", "training.micro_batch_size=1")

@@ -10,7 +10,7 @@ from helpers.runs import train_tiny
 
 from meshtrain.config.locations import with_absolute_paths
 from meshtrain.errors import ConfigError
-from meshtrain.inference.load import load_tokenizer
+from meshtrain.weights.load import load_tokenizer
 
 GEMMA = REPO / "tests" / "fixtures" / "chat" / "gemma3"
 

@@ -17,7 +17,7 @@ from helpers.process import subprocess_env
 
 from meshtrain.data.chat.encoder import build_chat_encoder
 from meshtrain.inference.generate import generate_chat
-from meshtrain.inference.load import load_model
+from meshtrain.weights.load import load_model
 
 DOC = REPO / "docs" / "preference.md"
 DEMO = "/tmp/meshtrain-dpo"

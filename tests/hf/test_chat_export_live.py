@@ -8,8 +8,8 @@ from helpers.runs import train_tiny
 
 from meshtrain.data.chat.encoder import build_chat_encoder
 from meshtrain.inference.generate import generate_chat
-from meshtrain.inference.load import load_model
 from meshtrain.models.abstract import merge_model
+from meshtrain.weights.load import load_model
 
 GEMMA = REPO / "tests" / "fixtures" / "chat" / "gemma3"
 EXAMPLES = REPO / "examples" / "chat" / "addition.jsonl"

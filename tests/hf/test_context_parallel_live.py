@@ -9,7 +9,7 @@ import pytest
 from helpers import tiny_hf
 from helpers.tiny_hf import LOGIT_TOLERANCE, VOCAB, relative_error
 
-from meshtrain.inference.load import load_hf
+from meshtrain.weights.load import load_hf
 
 pytestmark = pytest.mark.slow
 

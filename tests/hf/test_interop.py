@@ -25,14 +25,14 @@ from meshtrain.hf.load import check_init_from
 from meshtrain.hf.safetensors_io import INDEX_FILE, CheckpointReader
 from meshtrain.hf.save import export_hf
 from meshtrain.hf.tensor_map import hf_tensors
-from meshtrain.inference import initial_weights
-from meshtrain.inference.initial_weights import load_initial_params
-from meshtrain.inference.load import load_hf
 from meshtrain.models.abstract import merge_model
 from meshtrain.train.loop import train
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.setup import prepare
 from meshtrain.train.state import create_train_state, state_shardings
+from meshtrain.weights import initial_weights
+from meshtrain.weights.initial_weights import load_initial_params
+from meshtrain.weights.load import load_hf
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,9 @@ import meshtrain
 from meshtrain.data import build_tokenizer
 from meshtrain.data.tokenizer import ByteTokenizer, save_tokenizer
 from meshtrain.hf.save import export_hf
-from meshtrain.inference.load import load_hf
 from meshtrain.models.abstract import merge_model
 from meshtrain.train.loop import train
+from meshtrain.weights.load import load_hf
 
 pytestmark = pytest.mark.slow
 

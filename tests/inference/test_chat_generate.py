@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 from meshtrain.cli.generate import main
 from meshtrain.data.chat.encoder import build_chat_encoder
 from meshtrain.inference import generate as generation
-from meshtrain.inference.load import load_hf
+from meshtrain.weights.load import load_hf
 
 CHAT_FIXTURES = REPO / "tests" / "fixtures" / "chat"
 QUESTION = "What is the capital of France?"

@@ -8,9 +8,9 @@ from helpers.runs import SMALL_RUN, train_tiny
 from meshtrain.cli.generate import main as generate_main
 from meshtrain.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, save_tokenizer
 from meshtrain.errors import ConfigError
-from meshtrain.inference import load
 from meshtrain.inference.export import EXPORTERS, export
-from meshtrain.inference.load import load_checkpoint, load_model, load_tokenizer
+from meshtrain.weights import load
+from meshtrain.weights.load import load_checkpoint, load_model, load_tokenizer
 
 PROMPT = "import "
 TEXTS = ("def f(x):\n    return x  # ü 日本 🙂", "\x00\x01\x7f tabs\there", "")

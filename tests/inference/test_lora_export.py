@@ -20,8 +20,8 @@ from meshtrain.checkpoint import named_leaves, read_params
 from meshtrain.errors import ConfigError
 from meshtrain.hf.peft import check_peft, load_peft, quantised_base_note
 from meshtrain.inference.export import ExportError, export
-from meshtrain.inference.load import load_safetensors_export
 from meshtrain.train.setup import prepare
+from meshtrain.weights.load import load_safetensors_export
 
 LORA = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[q,v,o,down]")
 
@@ -99,7 +99,7 @@ def test_a_peft_export_of_qlora_adapters_says_they_fit_the_quantised_base(lora_r
 
 def test_generate_and_eval_name_what_runs_instead_of_a_peft_export(lora_run, capsys):
     from meshtrain.cli.generate import main as generate_main
-    from meshtrain.inference.load import load_model, load_tokenizer
+    from meshtrain.weights.load import load_model, load_tokenizer
 
     message = (
         f"{lora_run / 'adapter'} holds LoRA adapters alone (a PEFT export), not a model; run the "

@@ -13,9 +13,9 @@ from helpers.runs import train_tiny
 from jax.sharding import PartitionSpec
 
 from meshtrain.config import ModelConfig
-from meshtrain.inference.load import load_hf
 from meshtrain.models.layers import RMSNorm, RopeSpec, apply_rope, rope_angles
 from meshtrain.models.transformer import Transformer
+from meshtrain.weights.load import load_hf
 
 CFG = ModelConfig()
 

@@ -14,13 +14,13 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain.config.schema import DEFAULT_LOGICAL_AXIS_RULES
 from meshtrain.errors import ConfigError
-from meshtrain.inference.load import load_hf
 from meshtrain.models.abstract import abstract_model
 from meshtrain.models.transformer import _compiled_call
 from meshtrain.parallel.mesh import build_mesh, parse_mesh_shape
 from meshtrain.parallel.rules import check_rules, logical_to_spec
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.state import create_train_state, state_shardings
+from meshtrain.weights.load import load_hf
 
 RULES = DEFAULT_LOGICAL_AXIS_RULES
 

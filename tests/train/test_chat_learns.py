@@ -19,7 +19,7 @@ from meshtrain.cli.generate import main
 from meshtrain.data.chat.encoder import build_chat_encoder
 from meshtrain.errors import ConfigError
 from meshtrain.inference.generate import generate_chat
-from meshtrain.inference.load import load_model
+from meshtrain.weights.load import load_model
 
 GEMMA = REPO / "tests" / "fixtures" / "chat" / "gemma3" / "tokenizer.json"
 # No 0 or 2: the fixture tokenizer merges "02" and " 2"; each of these digits is one token

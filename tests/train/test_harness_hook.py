@@ -17,8 +17,8 @@ from meshtrain.config.validate import check_config
 from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import ConfigError
 from meshtrain.harness.run import evaluate_in_place
-from meshtrain.inference.load import load_checkpoint
 from meshtrain.observe.trackers.run_info import metric_tag
+from meshtrain.weights.load import load_checkpoint
 
 
 def _run(tmp_path, base, *extra):

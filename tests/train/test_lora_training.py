@@ -15,13 +15,13 @@ from helpers.runs import train_tiny
 
 from meshtrain.data import BatchIterator, build_dataset
 from meshtrain.errors import ConfigError
-from meshtrain.inference.lora_base import lora_summary
 from meshtrain.models.abstract import abstract_model, merge_model
 from meshtrain.models.initialization import initial_params
 from meshtrain.models.lora import join_adapters, merge_adapters, split_adapters
 from meshtrain.parallel.mesh import build_mesh, parse_mesh_shape
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.setup import describe, prepare
+from meshtrain.weights.lora_base import lora_summary
 
 RUN = (
     "data=synthetic",

@@ -13,7 +13,7 @@ Leaving the `with` block waits until the last asynchronous write has committed.
 
 Where a run resumes from (checkpoint.resume):
   - auto: the newest readable checkpoint in checkpoint.dir; if there is none, `init()` (a fresh
-    state, or one around checkpoint.load_params: meshtrain.inference.initial_weights). A damaged
+    state, or one around checkpoint.load_params: meshtrain.weights.initial_weights). A damaged
     newest checkpoint is reported, moved aside to `<step>.corrupted` (never deleted) and the
     previous one is used.
   - never: `init()`; refuses a checkpoint.dir that already holds checkpoints unless

@@ -4,7 +4,7 @@
 <checkpoint> is a meshtrain checkpoint (a step directory, its checkpoints/ directory, a run
 directory), any `meshtrain.export` output (orbax, safetensors or hf), or a Hugging Face
 checkpoint directory (config.json, *.safetensors). The tokenizer is the one the run trained
-with, else the one the directory carries (inference.load.load_tokenizer), unless --tokenizer.
+with, else the one the directory carries (weights.load.load_tokenizer), unless --tokenizer.
 
 With --chat the prompt is a user message (after a --system message if given), or --messages
 FILE.json holds the conversation; it is rendered with the tokenizer's chat template (the files
@@ -33,8 +33,8 @@ from meshtrain.data.chat.encoder import ChatEncoder, build_chat_encoder
 from meshtrain.data.tokenizer import Tokenizer, build_tokenizer
 from meshtrain.errors import ConfigError
 from meshtrain.inference.generate import answer_chats, complete_texts
-from meshtrain.inference.load import load_model, load_tokenizer
 from meshtrain.prog import prog_name
+from meshtrain.weights.load import load_model, load_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,7 +54,7 @@ REFUSED = (
     "model.lora.targets",
     "model.lora.base_dtype",
     "model.lora.quant_block",
-    "model.lora.base",  # the frozen base's identity (inference.lora_base: the caller puts it here)
+    "model.lora.base",  # the frozen base's identity (weights.lora_base: the caller puts it here)
     "data.source",
     "data.paths",
     "data.path",
@@ -79,7 +79,7 @@ REFUSED = (
     "objective.name",
     "objective.loss_type",
     "objective.reference",
-    "objective.reference_weights",  # its identity (inference.lora_base: the caller puts it here)
+    "objective.reference_weights",  # its identity (weights.lora_base: the caller puts it here)
 )
 ALLOWED = (
     "model.name",

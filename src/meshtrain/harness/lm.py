@@ -44,8 +44,8 @@ from meshtrain.errors import ConfigError, DataError
 from meshtrain.harness.engine import Engine, Generation
 from meshtrain.harness.options import ModelArgs, parse_model_args
 from meshtrain.harness.packing import pack
-from meshtrain.inference.load import checkpoint_config, load_model, load_tokenizer
 from meshtrain.models.transformer import Transformer
+from meshtrain.weights.load import checkpoint_config, load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ class MeshtrainLM(TemplateLM):
 
 
 def _tokenizer(name: str | None, directory: Path) -> Tokenizer:
-    """The tokenizer model_args names, else the checkpoint's (inference.load.load_tokenizer)."""
+    """The tokenizer model_args names, else the checkpoint's (weights.load.load_tokenizer)."""
     if name is None:
         return load_tokenizer(directory, option="--model_args tokenizer=")
     try:

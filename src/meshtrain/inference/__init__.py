@@ -1,2 +1,2 @@
-"""A trained model outside the train loop: load it (`load_hf`, `load_checkpoint`), continue a
-prompt with it (`generate`), export its parameters for other tools (`export`)."""
+"""A trained model at work outside the train loop: continue prompts with it (`generate`), export
+its parameters for other tools (`export`). Loading it is meshtrain.weights.load's."""

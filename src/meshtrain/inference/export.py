@@ -56,10 +56,10 @@ from meshtrain.config.lora import LoraConfig
 from meshtrain.data.tokenizer import Tokenizer, build_tokenizer, save_tokenizer
 from meshtrain.hf.peft import export_peft
 from meshtrain.hf.save import export_hf
-from meshtrain.inference.load import load_checkpoint
 from meshtrain.models.frozen import is_quantized
 from meshtrain.models.lora import merge_adapters, split_adapters
 from meshtrain.models.transformer import Transformer
+from meshtrain.weights.load import load_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The frozen base of a LoRA run (model.lora): every parameter but the adapters, stored at
 model.lora.base_dtype and never trained, so it has no gradient, no optimizer state and no place
-in the checkpoints (they name it: inference.lora_base).
+in the checkpoints (they name it: weights.lora_base).
 
 - compute, bf16: every base parameter in that dtype (compute: training.mixed_precision's).
 - int8, nf4 (QLoRA): the blocks' projections q, k, v, o, gate, up, down as block-quantised codes

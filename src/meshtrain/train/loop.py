@@ -22,8 +22,6 @@ from meshtrain.config.run_record import keep_run_record
 from meshtrain.config.schema import Config
 from meshtrain.data import BatchIterator, MixedDataset
 from meshtrain.distributed.preemption import StopSignals
-from meshtrain.inference.initial_weights import check_initial_weights, load_initial_params
-from meshtrain.inference.lora_base import initial_adapters, load_frozen_base
 from meshtrain.models.initialization import initial_params
 from meshtrain.observe.metrics import MetricsWriter, setup_logging
 from meshtrain.observe.progress import phase
@@ -56,6 +54,8 @@ from meshtrain.train.state import (
     split_state,
     state_shardings,
 )
+from meshtrain.weights.initial_weights import check_initial_weights, load_initial_params
+from meshtrain.weights.lora_base import initial_adapters, load_frozen_base
 
 log = logging.getLogger(__name__)
 

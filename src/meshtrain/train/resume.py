@@ -17,7 +17,7 @@ from meshtrain.config.schema import Config
 from meshtrain.data.identity import data_identity, describe_change
 from meshtrain.data.shards import tokenizer_identity
 from meshtrain.errors import ConfigError
-from meshtrain.inference.lora_base import base_identity, compared_bases, reference_identity
+from meshtrain.weights.lora_base import base_identity, compared_bases, reference_identity
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ def run_meta(cfg: Config) -> dict[str, Any]:
     """What each checkpoint's meta/ records of the run: its config, its tokenizer's identity
     (None for synthetic data, which has no tokenizer), its training data's identity, a LoRA
     run's base and a preference run's reference copy of the starting weights
-    (inference.lora_base)."""
+    (weights.lora_base)."""
     synthetic = cfg.data.source == "synthetic"
     return {
         "config": asdict(cfg),

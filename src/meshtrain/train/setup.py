@@ -28,7 +28,6 @@ from meshtrain.config.validate import check_against_mesh, check_config, micro_ba
 from meshtrain.data import MixedDataset, TokenDataset, build_datasets
 from meshtrain.distributed.runtime import process_hosts
 from meshtrain.errors import ConfigError
-from meshtrain.inference.lora_base import large_adapters_warning, lora_summary
 from meshtrain.models.abstract import (
     AbstractModel,
     abstract_model,
@@ -52,6 +51,7 @@ from meshtrain.train.pipeline_plan import PipelinePlan, pipeline_plan
 from meshtrain.train.state import TrainState, abstract_train_state
 from meshtrain.train.step import COMPUTE_DTYPES, make_train_step
 from meshtrain.units import format_flops
+from meshtrain.weights.lora_base import large_adapters_warning, lora_summary
 
 log = logging.getLogger(__name__)
 

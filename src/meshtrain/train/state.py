@@ -95,7 +95,7 @@ def create_train_state(
     """The train state at step 0, created in its shardings, so each device only ever
     materialises its own shards: random parameters (meshtrain.models.initialization: the same
     values on every mesh; with LoRA the adapters, as the whole model draws them) unless
-    `params` are given (already sharded: loaded by meshtrain.inference.initial_weights; they are
+    `params` are given (already sharded: loaded by meshtrain.weights.initial_weights; they are
     donated), then the optimizer state around them; with LoRA, beside the `frozen` base."""
     options = init_compiler_options(shardings)
     if params is None:
@@ -141,7 +141,7 @@ def _flagged_optimization_level() -> int:
 
 def split_state(state: TrainState) -> tuple[Any, TrainState]:
     """(parameters, the rest of the state): the two items of a checkpoint. A LoRA run's frozen
-    base is in neither (its checkpoints name it: inference.lora_base)."""
+    base is in neither (its checkpoints name it: weights.lora_base)."""
     return state.params, state.replace(params=None, frozen=None)
 
 

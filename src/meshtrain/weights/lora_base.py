@@ -26,13 +26,13 @@ from meshtrain.data.integrity import hash_file_into
 from meshtrain.errors import ConfigError
 from meshtrain.hf.load import checkpoint_dir
 from meshtrain.hf.peft import load_peft
-from meshtrain.inference.initial_weights import load_initial_params
 from meshtrain.models.abstract import AbstractModel
 from meshtrain.models.frozen import is_quantized, store_base
 from meshtrain.models.initialization import initial_params
 from meshtrain.models.lora import split_adapters
 from meshtrain.models.quantize import storage_bytes
 from meshtrain.units import format_bytes
+from meshtrain.weights.initial_weights import load_initial_params
 
 log = logging.getLogger(__name__)
 

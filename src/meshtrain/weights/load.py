@@ -30,8 +30,6 @@ from meshtrain.errors import ConfigError
 from meshtrain.hf.config_json import model_config_from_hf, read_config_json
 from meshtrain.hf.load import check_init_from, load_params
 from meshtrain.hf.safetensors_io import CheckpointReader
-from meshtrain.inference.lora_base import check_base_unchanged, load_frozen_base
-from meshtrain.inference.moved_tokenizer import find_moved_tokenizer
 from meshtrain.models.abstract import (
     AbstractModel,
     abstract_model,
@@ -41,6 +39,8 @@ from meshtrain.models.abstract import (
 from meshtrain.models.frozen import is_quantized
 from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.mesh import MeshSpec, resolve_mesh
+from meshtrain.weights.lora_base import check_base_unchanged, load_frozen_base
+from meshtrain.weights.moved_tokenizer import find_moved_tokenizer
 
 log = logging.getLogger(__name__)
 

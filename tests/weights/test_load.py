@@ -14,8 +14,8 @@ from helpers.runs import SMALL_RUN, train_tiny
 import meshtrain
 from meshtrain.checkpoint.layout import fingerprints
 from meshtrain.errors import ConfigError
-from meshtrain.inference.load import checkpoint_config, load_checkpoint
 from meshtrain.models.abstract import merge_model
+from meshtrain.weights.load import checkpoint_config, load_checkpoint
 
 PROMPT = "import "
 
@@ -94,7 +94,7 @@ def test_load_hf_replicates_key_value_heads_tp_cannot_split_and_names_what_works
     key/value heads replicates them (one log line, transformers' logits), and tp=8 over its 4
     query heads is one line naming the model's head counts and the tp sizes that work."""
     directory = tiny_hf.write_checkpoint("llama", tmp_path / "llama")
-    with caplog.at_level(logging.INFO, logger="meshtrain.inference.load"):
+    with caplog.at_level(logging.INFO, logger="meshtrain.weights.load"):
         model = meshtrain.load_hf(directory, [[2, 4], ["fsdp", "tp"]])
     notes = [r.getMessage() for r in caplog.records if "key/value projections" in r.getMessage()]
     assert notes == [
