@@ -27,17 +27,16 @@ def module_name(path: Path) -> str:
 
 
 def _runtime_nodes(tree: ast.Module, runtime_only: bool) -> list[ast.AST]:
-    """Every node of `tree`; with `runtime_only`, not those under `if TYPE_CHECKING:` (read by
-    type checkers only) or `if __name__ == "__main__":` (run only as a script, when the module
-    is __main__, not itself)."""
-    if not runtime_only:
-        return list(ast.walk(tree))
+    """Every node of `tree` but those under `if __name__ == "__main__":` (run only as a script,
+    when the module is __main__, not itself: an entry point such as `python -m
+    meshtrain.data.prepare` calling its command in cli/); with `runtime_only`, not those under
+    `if TYPE_CHECKING:` either (read by type checkers only)."""
+    skipped_tests = {"__name__ == '__main__'"}
+    if runtime_only:
+        skipped_tests |= {"TYPE_CHECKING", "typing.TYPE_CHECKING"}
 
     def skipped(node: ast.AST) -> bool:
-        if not isinstance(node, ast.If):
-            return False
-        text = ast.unparse(node.test)
-        return text in ("TYPE_CHECKING", "typing.TYPE_CHECKING", "__name__ == '__main__'")
+        return isinstance(node, ast.If) and ast.unparse(node.test) in skipped_tests
 
     nodes, stack = [], [tree]
     while stack:
@@ -139,11 +138,11 @@ def test_no_import_cycle_between_modules():
 
 def test_type_only_and_script_only_imports_are_no_runtime_edges():
     graph = module_graph()
-    # config/lora.py names ModelConfig for type checkers only; prepare.py runs the prepare
+    # config/lora.py names ModelConfig for type checkers only; data/prepare.py runs the prepare
     # command under `if __name__ == "__main__":`.
     assert "meshtrain.config.schema" not in graph["meshtrain.config.lora"]
-    assert "meshtrain.data.prepare_command" not in graph["meshtrain.data.prepare"]
-    assert "meshtrain.data.prepare" in graph["meshtrain.data.prepare_command"]
+    assert "meshtrain.cli.prepare" not in graph["meshtrain.data.prepare"]
+    assert "meshtrain.data.prepare" in graph["meshtrain.cli.prepare"]
 
 
 def test_lower_packages_never_import_training_or_the_command_line():

@@ -14,7 +14,7 @@ COMMANDS = {
     "meshtrain-generate": "meshtrain.cli.generate:main",
     "meshtrain-export": "meshtrain.cli.export:main",
     "meshtrain-launch": "meshtrain.cli.launch:main",
-    "meshtrain-prepare": "meshtrain.data.prepare_command:main",
+    "meshtrain-prepare": "meshtrain.cli.prepare:main",
     "meshtrain-eval": "meshtrain.cli.eval:main",
 }
 

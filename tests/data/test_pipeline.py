@@ -295,7 +295,7 @@ def test_every_format_trains_as_documents_in_file_and_record_order(tmp_path):
 
 
 def test_a_prepared_directory_gives_the_batches_of_its_text(tmp_path):
-    from meshtrain.data.prepare_command import main as prepare_main
+    from meshtrain.cli.prepare import main as prepare_main
 
     write_sources(tmp_path / "data")
     prepare_main(["--out", str(tmp_path / "prepared"), str(tmp_path / "data")])

@@ -126,7 +126,7 @@ def module_command(module: str, argv: Sequence[str], devices: int | None = None)
         "meshtrain.generate": "meshtrain.cli.generate",
         "meshtrain.export": "meshtrain.cli.export",
         "meshtrain.eval": "meshtrain.cli.eval",
-        "meshtrain.data.prepare": "meshtrain.data.prepare_command",
+        "meshtrain.data.prepare": "meshtrain.cli.prepare",
     }
     main = importlib.import_module(mains[module]).main
     return run_main(main, *map(str, argv), prog=f"python -m {module}", devices=devices)

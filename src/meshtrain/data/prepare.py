@@ -336,7 +336,7 @@ def summary_line(corpus: PreparedCorpus, seconds: float) -> str:
     )
 
 
-if __name__ == "__main__":  # python -m meshtrain.data.prepare: the command lives beside
-    from meshtrain.data.prepare_command import main
+if __name__ == "__main__":  # python -m meshtrain.data.prepare runs cli/prepare.py's command
+    from meshtrain.cli.prepare import main
 
     main()

@@ -8,13 +8,13 @@ import pytest
 from helpers.config import compose_config
 from helpers.paths import REPO
 
+from meshtrain.cli.prepare import main as prepare_main
 from meshtrain.config.schema import TrainOn, choices
 from meshtrain.data import build_dataset
 from meshtrain.data.chat.encoder import build_chat_encoder
 from meshtrain.data.chat.marks import DOCUMENT_START, ID_BITS, NOT_TRAINED
 from meshtrain.data.chat.packing import greedy_windows
 from meshtrain.data.chat.records import TRAIN_ON
-from meshtrain.data.prepare_command import main as prepare_main
 from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import DataError
 
