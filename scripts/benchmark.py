@@ -12,7 +12,7 @@ W4  llama3_1b and gemma3_1b in bf16 at sequence 4096 on one GPU, at the micro-ba
 
 Each of W1, W2 and W4 runs in a child process of its own (the device count is fixed when JAX
 starts), builds the step as a run does (the config composed by Hydra from configs/, then
-meshtrain.train.setup.prepare, compile_train_step and a fresh train state, batches from the
+meshtrain.train.setup.prepare, train.compilation.compile_train_step and a fresh train state, batches from the
 data pipeline), measures the device's matmul peak in the same run
 (meshtrain.observe.throughput.matmul_peak) and times single steps: the median step time,
 tokens/s, TFLOP/s per device and MFU (meshtrain.observe.flops.train_flops_per_step over the

@@ -25,8 +25,9 @@ class MeshtrainStep:
 
         from meshtrain.data import BatchIterator
         from meshtrain.train.batch import process_rows, to_global_array
+        from meshtrain.train.compilation import compile_train_step
         from meshtrain.train.optimizer import build_optimizer
-        from meshtrain.train.setup import compile_train_step, prepare
+        from meshtrain.train.setup import prepare
         from meshtrain.train.state import create_train_state, state_shardings
         from meshtrain.weights.lora_base import load_frozen_base
 

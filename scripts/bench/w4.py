@@ -21,8 +21,9 @@ def fits(cfg, devices) -> bool:
     """Whether the compiled step of `cfg` fits the device's memory (XLA's plan)."""
     import jax
 
+    from meshtrain.train.compilation import compile_train_step
     from meshtrain.train.optimizer import build_optimizer
-    from meshtrain.train.setup import compile_train_step, prepare
+    from meshtrain.train.setup import prepare
     from meshtrain.train.state import state_shardings
 
     limit = (devices[0].memory_stats() or {}).get("bytes_limit")

@@ -10,7 +10,8 @@ from helpers.config import compose_config
 from helpers.runs import train_tiny
 from helpers.short_training import SHORT_TEXT
 
-from meshtrain.train.setup import describe, prepare
+from meshtrain.train.describe import describe
+from meshtrain.train.setup import prepare
 
 # The short run of helpers.short_training on the standard library's source: a one-layer model,
 # sequences of 32 bytes, a constant learning rate after 2 warmup steps. Its compiled step does not

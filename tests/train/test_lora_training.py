@@ -19,8 +19,9 @@ from meshtrain.models.abstract import abstract_model, merge_model
 from meshtrain.models.initialization import initial_params
 from meshtrain.models.lora import join_adapters, merge_adapters, split_adapters
 from meshtrain.parallel.mesh import build_mesh, parse_mesh_shape
+from meshtrain.train.describe import describe
 from meshtrain.train.optimizer import build_optimizer
-from meshtrain.train.setup import describe, prepare
+from meshtrain.train.setup import prepare
 from meshtrain.weights.lora_base import lora_summary
 
 RUN = (

@@ -20,9 +20,10 @@ from meshtrain.config.validate import check_against_mesh, check_config
 from meshtrain.errors import ConfigError
 from meshtrain.observe.hlo import parse_shape
 from meshtrain.parallel.mesh import parse_mesh_shape
+from meshtrain.train.compilation import compile_train_step
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.pipeline_plan import PipelinePlan, layer_table
-from meshtrain.train.setup import compile_train_step, prepare
+from meshtrain.train.setup import prepare
 from meshtrain.train.state import state_shardings
 
 # 4 layers of alternating local and global attention: the stages hold different layer kinds,

@@ -27,8 +27,10 @@ from meshtrain.models.initialization import initial_params_programs
 from meshtrain.observe.compile_report import CompileReport, ProgramCompile, measure
 from meshtrain.observe.memory_plan import MemoryPlan
 from meshtrain.observe.metrics import setup_logging
+from meshtrain.train.compilation import compile_train_step, inspect_compiled
+from meshtrain.train.describe import describe
 from meshtrain.train.optimizer import build_optimizer
-from meshtrain.train.setup import Setup, compile_train_step, describe, inspect_compiled, prepare
+from meshtrain.train.setup import Setup, prepare
 from meshtrain.train.state import (
     TrainState,
     abstract_train_state,

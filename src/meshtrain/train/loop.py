@@ -27,6 +27,8 @@ from meshtrain.observe.metrics import MetricsWriter, setup_logging
 from meshtrain.observe.progress import phase
 from meshtrain.observe.throughput import ThroughputMeter
 from meshtrain.train.batch import DeviceBatches, process_rows
+from meshtrain.train.compilation import compile_train_step, inspect_compiled, throughput_meter
+from meshtrain.train.describe import describe
 from meshtrain.train.evaluation import make_evaluator
 from meshtrain.train.hooks import AnyOf, Cadence, Hook, HookRunner, StepInfo
 from meshtrain.train.hooks.checkpoint import NonfiniteGuard, SaveCheckpoint
@@ -37,14 +39,7 @@ from meshtrain.train.hooks.step_metrics import StepClock, StepMetrics
 from meshtrain.train.hooks.validation import ValidationLoss
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.resume import check_resume, run_meta
-from meshtrain.train.setup import (
-    Setup,
-    compile_train_step,
-    describe,
-    inspect_compiled,
-    prepare,
-    throughput_meter,
-)
+from meshtrain.train.setup import Setup, prepare
 from meshtrain.train.state import (
     TrainState,
     abstract_train_state,

@@ -1,57 +1,43 @@
-"""A run's set-up: every start-up check, the mesh, the abstract model and the data; then the
-train step compiled from shapes alone, and what the compiled step tells (plan.json).
+"""A run's set-up, decided: every start-up check, the mesh, the abstract model, the objective
+and the data (`prepare`), and what follows from them (the batch's shape, the FLOPs of a step,
+the context-parallel split). train.describe logs it; train.compilation compiles the step from it.
 
 Nothing here allocates a weight: `prepare` raises ConfigError before anything is compiled or
-written, and `compile_train_step` works on ShapeDtypeStructs.
+written.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from meshtrain.config.epochs import with_epoch_steps
 from meshtrain.config.locations import with_absolute_paths
 from meshtrain.config.pipeline import with_scan_layers
 from meshtrain.config.schema import Config
 from meshtrain.config.validate import check_against_mesh, check_config, micro_batch_size
-from meshtrain.data import MixedDataset, TokenDataset, build_datasets
+from meshtrain.data import TokenDataset, build_datasets
 from meshtrain.distributed.runtime import process_hosts
 from meshtrain.errors import ConfigError
 from meshtrain.models.abstract import (
     AbstractModel,
     abstract_model,
-    key_value_replicas,
-    replicated_kv_heads,
-    whole_stacked_layers,
 )
-from meshtrain.observe.communication import CommunicationReport, account_collectives
 from meshtrain.observe.flops import train_flops_per_step
-from meshtrain.observe.memory_plan import MemoryPlan, device_capacity, memory_plan
 from meshtrain.observe.progress import phase
-from meshtrain.observe.throughput import ThroughputMeter, peak_flops_per_device
 from meshtrain.parallel.context import ContextLayout, sequence_axes, sequence_shards
-from meshtrain.parallel.mesh import MeshSpec, build_mesh, format_mesh_shape, parse_mesh_shape
-from meshtrain.parallel.rules import logical_to_spec, mesh_axes_for
+from meshtrain.parallel.mesh import MeshSpec, build_mesh, parse_mesh_shape
+from meshtrain.parallel.rules import mesh_axes_for
 from meshtrain.train.documents import TokenFormat, token_format
-from meshtrain.train.gradients import gradient_sync
 from meshtrain.train.objectives import OBJECTIVES, Objective, StepInputs, build_objective
-from meshtrain.train.optimizer import learning_rate_schedule
 from meshtrain.train.pipeline_plan import PipelinePlan, pipeline_plan
-from meshtrain.train.state import TrainState, abstract_train_state
-from meshtrain.train.step import COMPUTE_DTYPES, make_train_step
-from meshtrain.units import format_flops
-from meshtrain.weights.lora_base import large_adapters_warning, lora_summary
+from meshtrain.train.step import COMPUTE_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -232,165 +218,3 @@ def context_plan(setup: Setup) -> dict | None:
         "tokens_per_device": 2 * layout.chunk,
         "gathered_kv_bytes": gathered_bytes,
     }
-
-
-def describe(setup: Setup) -> None:
-    """The start-up lines: mesh, model size, global batch and data."""
-    cfg = setup.cfg
-    num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(setup.model.abstract_params))
-    sizes = [setup.mesh_spec.sizes[a] for a in setup.mesh.axis_names]
-    log.info(
-        "mesh %s on %d %s device(s), %d process(es)",
-        format_mesh_shape(sizes, setup.mesh.axis_names),
-        setup.mesh.size,
-        setup.mesh.devices.flat[0].platform,
-        jax.process_count(),
-    )
-    log.info("model %s: %s parameters", cfg.model.name, f"{num_params:,}")
-    if setup.model.lora:
-        log.info(lora_summary(cfg.model, setup.model))
-        if warning := large_adapters_warning(setup.model):
-            log.warning(warning)
-    if setup.pipeline is not None:
-        log.info(setup.pipeline.describe())
-        log.info(
-            "model.scan_layers: on, for the pp stages (they hold slices of the stacked blocks)"
-        )
-    if split := context_split(setup):
-        layout, gathered_bytes = split
-        log.info(layout.describe(gathered_bytes))
-    for note in (
-        replicated_kv_heads(cfg.model, setup.mesh_spec),
-        whole_stacked_layers(cfg.model, setup.mesh_spec),
-    ):
-        if note:
-            log.info(note)
-    log.info(
-        "global batch %d sequences × %d tokens (micro_batch_size %d × %d batch shards × %d accumulation steps)",
-        setup.global_batch,
-        cfg.data.seq_len,
-        setup.micro_batch_size,
-        setup.batch_shards,
-        cfg.training.gradient_accumulation_steps,
-    )
-    if setup.train_data is not None:
-        masking = "on" if setup.token_format.documents else "off"
-        log.info(
-            "data: %d training sequences (%s; document masking %s)",
-            len(setup.train_data),
-            cfg.data.source,
-            masking,
-        )
-        if (epochs := cfg.training.epochs) is not None:
-            steps, batch = cfg.training.steps, setup.global_batch
-            log.info("training.epochs=%g: %d steps of %d sequences", epochs, steps, batch)
-        if len(setup.train_data) < setup.global_batch:
-            log.warning(
-                "data: %d training sequences, fewer than one global batch of %d: each batch "
-                "holds some sequences more than once; add documents or lower data.seq_len",
-                len(setup.train_data),
-                setup.global_batch,
-            )
-        mixture = setup.train_data.parts if isinstance(setup.train_data, MixedDataset) else []
-        for name, source, weight in mixture:
-            log.info("data: mixture source %s: weight %g, %d sequences", name, weight, len(source))
-
-
-def compile_train_step(
-    setup: Setup, tx: optax.GradientTransformation, shardings: TrainState
-) -> tuple[jax.stages.Compiled, NamedSharding]:
-    """The train step compiled from shapes and shardings alone, and the batch's sharding.
-
-    Compiling ahead of the loop gives the plan and the communication report the executable that
-    will run, and keeps compilation out of the first step's time.
-    """
-    cfg = setup.cfg
-    batch_sharding = NamedSharding(
-        setup.mesh, logical_to_spec((None, "batch", None), cfg.model.logical_axis_rules)
-    )
-    train_step = make_train_step(
-        setup.model,
-        tx,
-        learning_rate_schedule(cfg.training),
-        state_shardings=shardings,
-        batch_sharding=batch_sharding,
-        objective=setup.objective,
-        training=cfg.training,
-    )
-    abstract_batch = jax.ShapeDtypeStruct(setup.batch_shape, np.int32, sharding=batch_sharding)
-    with phase(log, "compiling the train step", "compiled the train step"):
-        compiled = train_step.lower(
-            abstract_train_state(setup.model, tx, shardings), abstract_batch
-        ).compile()
-    return compiled, batch_sharding
-
-
-def inspect_compiled(
-    setup: Setup,
-    compiled: jax.stages.Compiled,
-    tx: optax.GradientTransformation,
-    shardings: TrainState,
-    run_dir: Path,
-    is_main: bool,
-) -> tuple[MemoryPlan, CommunicationReport]:
-    """Logs the compiled step's memory plan (the whole table against a known device memory
-    size or in a dry run, else one line) and, with training.profile_communication, every
-    collective; writes plan.json (and communication.json)."""
-    cfg = setup.cfg
-    communication = account_collectives(compiled.as_text(), setup.mesh)
-    device, capacity = device_capacity(
-        cfg.plan.device or cfg.plan.target,
-        list(setup.mesh.devices.flat),
-        cfg.plan.memory_fraction,
-    )
-    plan = memory_plan(
-        compiled,
-        mesh=setup.mesh,
-        micro_batch_size=setup.micro_batch_size,
-        abstract_state=abstract_train_state(setup.model, tx, shardings),
-        state_shardings=shardings,
-        collective_bytes_per_step=communication.ring_bytes_per_step,
-        flops_per_step=setup.flops_per_step / setup.mesh.size,
-        device=device,
-        capacity_bytes=capacity,
-        remat=cfg.model.remat,
-        scan_layers=cfg.model.scan_layers,
-        replicated_kv_over=key_value_replicas(cfg.model, setup.mesh_spec),
-        unsharded_grad_axes=gradient_sync(
-            cfg.training, setup.mesh, cfg.model.logical_axis_rules
-        ).shards,
-        pipeline=None if setup.pipeline is None else setup.pipeline.to_json(),
-        full_model=(
-            (setup.model.abstract_params, setup.model.param_shardings) if setup.model.lora else None
-        ),
-        base_dtype=cfg.model.lora.base_dtype,
-        context=context_plan(setup),
-    )
-    lines = plan.log_lines(dry_run=cfg.training.dry_run)
-    if cfg.training.profile_communication:
-        lines += communication.format()
-    for line in lines:
-        log.info(line)
-    if is_main:
-        plan.write(run_dir / "plan.json")
-        if cfg.training.profile_communication:
-            communication.write(run_dir / "communication.json")
-    return plan, communication
-
-
-def throughput_meter(setup: Setup) -> ThroughputMeter:
-    """Tokens/s, TFLOP/s and MFU against the devices' peak (logged once, with its source)."""
-    devices = list(setup.mesh.devices.flat)
-    peak, source = peak_flops_per_device(
-        devices, setup.cfg.training.mixed_precision, hosts=process_hosts()
-    )
-    if peak is None:
-        log.info("MFU: %s", source)
-    else:
-        log.info("MFU against %s per device (%s)", format_flops(peak, "/s"), source)
-    return ThroughputMeter(
-        devices=devices,
-        tokens_per_step=setup.global_batch * setup.cfg.data.seq_len,
-        flops_per_step=setup.flops_per_step,
-        peak_flops_per_device=peak,
-    )
