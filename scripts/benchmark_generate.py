@@ -28,17 +28,6 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 
 
-def model_config(name: str, overrides: list[str]):
-    """The ModelConfig `python run_training.py model=NAME OVERRIDES` would build."""
-    from hydra import compose, initialize_config_dir
-
-    from meshtrain.config.hydra import register_configs, to_config
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return to_config(compose(config_name="config", overrides=[f"model={name}", *overrides]))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", help="a config of configs/model/ (tiny)")
@@ -56,13 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     from flax import nnx
 
     import meshtrain
+    from meshtrain.config.hydra import compose_config
     from meshtrain.inference.generate import generate_ids, generate_ids_batch
     from meshtrain.models.transformer import Transformer
 
     sys.path.insert(0, str(REPO / "scripts"))
     from benchmark import stamp  # the machine, date and command of every benchmark result
 
-    cfg = model_config(args.model, args.set).model
+    cfg = compose_config(f"model={args.model}", *args.set).model
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     prompts = [

@@ -12,13 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import tempfile
 from pathlib import Path
 
 import jax
 
-REPO = Path(__file__).resolve().parent.parent
 MAX_DEVICES = 16
 # Llama 3.1 8B, as in docs/planning.md.
 LARGE = ("model=llama3_8b",)
@@ -45,9 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", MAX_DEVICES)
-    sys.path.insert(0, str(REPO / "tests"))
-    from helpers.config import compose_config
-
+    from meshtrain.config.hydra import compose_config
     from meshtrain.train.dry_run import dry_run
     from meshtrain.units import format_bytes as gib
 

@@ -77,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     sys.path.insert(0, str(REPO / "tests"))
-    from helpers.config import compose_config
     from helpers.tiny_hf import LOGIT_TOLERANCE, relative_error  # the tests' logit bound
 
     import meshtrain
+    from meshtrain.config.hydra import compose_config
     from meshtrain.hf.save import export_hf
     from meshtrain.models.abstract import merge_model
     from meshtrain.train.loop import train

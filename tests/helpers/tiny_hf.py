@@ -1,7 +1,7 @@
 """Tiny random-weight Hugging Face checkpoints of each family, and transformers' own numbers for
 them, with no torch: the weights come from numpy with a fixed seed, and the reference numbers
 were computed by transformers and committed under tests/fixtures/hf/ (made by
-scripts/make_reference_fixtures.py; tests/hf/test_interop_live.py, marked slow, recomputes them
+tests/fixtures/hf/make_fixtures.py; tests/hf/test_interop_live.py, marked slow, recomputes them
 with transformers and compares).
 
 Each is the family's real model config (configs/model/*.yaml) shrunk to hidden 64 and vocab 512;

@@ -1,5 +1,5 @@
 """The tiny checkpoints of helpers.tiny_hf in transformers (PyTorch, CPU): for the slow live
-comparisons and for scripts/make_reference_fixtures.py. Needs the `parity` extra."""
+comparisons and for tests/fixtures/hf/make_fixtures.py. Needs the `parity` extra."""
 
 from __future__ import annotations
 

@@ -85,10 +85,10 @@ def trained(checkpoints, tmp_path_factory):
 def test_the_fixtures_were_made_from_the_inputs_the_tests_use(family):
     """transformers' committed numbers are for these weights (numpy's generator), tokens and
     step-1 batch (the data pipeline): else the comparisons below would fail for no fault of
-    meshtrain's. The fix then is to rerun scripts/make_reference_fixtures.py (parity extra)."""
+    meshtrain's. The fix then is to rerun tests/fixtures/hf/make_fixtures.py (parity extra)."""
     committed = json.loads((tiny_hf.FIXTURES / "inputs.json").read_text())[family]
     now = tiny_hf.fingerprint(family)
-    stale = "stale fixtures: rerun scripts/make_reference_fixtures.py"
+    stale = "stale fixtures: rerun tests/fixtures/hf/make_fixtures.py"
     np.testing.assert_allclose(now["weights"], committed["weights"], rtol=1e-6, err_msg=stale)
     assert (now["tokens"], now["step_one_batch"]) == (
         committed["tokens"],

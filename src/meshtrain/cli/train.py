@@ -34,6 +34,7 @@ from omegaconf.errors import OmegaConfBaseException
 from meshtrain.cli.exit import EXIT_CHECKPOINT_WRITE, EXIT_NONFINITE, fail, fail_now
 from meshtrain.config.caches import AUTO_CACHE, cache_dir
 from meshtrain.config.hydra import (
+    CHECKOUT_CONFIGS,
     list_entry_keys,
     register_configs,
     to_config,
@@ -335,7 +336,7 @@ def make_main(config_dir: Path) -> Callable[[], None]:
 
 def default_config_dir() -> Path:
     """configs/ of this checkout (an editable install), else ./configs of the working directory."""
-    for candidate in (Path(__file__).resolve().parents[3] / "configs", Path.cwd() / "configs"):
+    for candidate in (CHECKOUT_CONFIGS, Path.cwd() / "configs"):
         if (candidate / "config.yaml").is_file():
             return candidate
     fail("no configs/config.yaml found: run meshtrain-train from a meshtrain checkout")

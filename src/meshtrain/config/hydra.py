@@ -1,10 +1,12 @@
-"""Hydra glue: the schema registered in Hydra's ConfigStore, and a composed config made typed."""
+"""Hydra glue: the schema registered in Hydra's ConfigStore, a composed config made typed, and
+the typed config a command line would run with (`compose_config`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import typing
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -12,6 +14,20 @@ from omegaconf import DictConfig, OmegaConf
 
 from meshtrain.config.schema import Config
 from meshtrain.errors import ConfigError, did_you_mean
+
+CHECKOUT_CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+"""configs/ of the checkout this package runs from (an editable install)."""
+
+
+def compose_config(*overrides: str, config_dir: Path | str | None = None) -> Config:
+    """The typed config `python run_training.py <overrides>` would run with, from config_dir
+    (default: configs/ of this checkout), without running anything: no run directory, no log."""
+    from hydra import compose, initialize_config_dir  # Hydra's compose API, on first use
+
+    register_configs()
+    directory = str(CHECKOUT_CONFIGS if config_dir is None else config_dir)
+    with initialize_config_dir(config_dir=directory, version_base="1.3"):
+        return to_config(compose(config_name="config", overrides=list(overrides)))
 
 
 def register_configs() -> None:
