@@ -34,7 +34,7 @@ def test_a_block_that_shows_a_log_is_checked_or_an_illustration(block):
     assert block.kind in ("checked", "illustration"), (
         f"{block.doc}:{block.block.lineno} shows a run's log without a marker: put "
         "<!-- output: illustration --> on the line before its fence, or make a doc test run its "
-        "command (<!-- output: checked (...) -->, then python scripts/regenerate_docs.py)"
+        "command (<!-- output: checked (...) -->, then python tests/docs/regenerate_docs.py)"
     )
     if block.kind == "checked":
         assert block.doc in COMPARED_IN, f"no doc test runs the commands of {block.doc}"
@@ -109,7 +109,7 @@ def test_the_regenerating_script_exists_and_lists_the_checked_commands(capsys):
     import importlib.util
     import sys
 
-    spec = importlib.util.spec_from_file_location("regen", REPO / "scripts/regenerate_docs.py")
+    spec = importlib.util.spec_from_file_location("regen", REPO / "tests/docs/regenerate_docs.py")
     regen = importlib.util.module_from_spec(spec)
     sys.modules["regen"] = regen
     spec.loader.exec_module(regen)

@@ -132,7 +132,7 @@ def test_local_launcher_line(line: str, tmp_path: Path):
     assert result.returncode == 0, result.stderr[-3000:]
     if output is not None:
         problems = check_output(output, result.stderr + "\n" + result.stdout)
-        assert not problems, "\n".join(problems)  # or run scripts/regenerate_docs.py
+        assert not problems, "\n".join(problems)  # or run tests/docs/regenerate_docs.py
     steps = logged_steps(words[script + 1 :]) if output is not None else [1, 2, 3]
     runs = tmp_path / ("multirun" if sweep else "outputs") / "tiny"
     (run,) = runs.glob("*/*")  # one run directory for all processes

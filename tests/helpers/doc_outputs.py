@@ -4,7 +4,7 @@ their comparison with what the documented command prints today.
 A block that shows a run's log (LOG_LINE) carries a marker on the line before its fence:
 
     <!-- output: checked (python 3.12.1, jax 0.12.0.1) -->   the doc tests run the command of
-        the bash block before it, as written, and compare (scripts/regenerate_docs.py rewrites
+        the bash block before it, as written, and compare (tests/docs/regenerate_docs.py rewrites
         the block and the versions from a new run);
     <!-- output: illustration -->   an example the tests ignore (another machine, a failure, a
         line out of a longer log).

@@ -175,7 +175,7 @@ def run_training_command(
         problems = check_output(command.output, result.stderr + "\n" + result.stdout)
         assert not problems, (
             f"{command.doc}:{command.output.block.lineno} shows another output than the command "
-            "prints; if the change is meant, run `python scripts/regenerate_docs.py "
+            "prints; if the change is meant, run `python tests/docs/regenerate_docs.py "
             f"{command.doc}`:\n" + "\n".join(problems)
         )
     return result

@@ -1,7 +1,7 @@
 """Reruns the commands whose output README.md and docs/ show in checked blocks, and rewrites those
 blocks in place, with the step-1 losses the prose quotes from them.
 
-    python scripts/regenerate_docs.py [DOC ...] [--check] [--list]
+    python tests/docs/regenerate_docs.py [DOC ...] [--check] [--list]
 
 A checked block is a ```text block after `<!-- output: checked (python X, jax Y) -->`
 (tests/helpers/doc_outputs.py): the doc tests run the command of the bash block before it, as
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
 from helpers.doc_outputs import (  # noqa: E402
