@@ -42,8 +42,8 @@ MIN_BUCKET = 16  # the shortest padded prompt: shorter prompts share one prefill
 
 def prompt_bucket(length: int) -> int:
     """The padded length of a prompt of `length` tokens: the next power of two, at least
-    MIN_BUCKET. A new bucket (or max_new_tokens) compiles two programs; a new length within
-    one does not."""
+    MIN_BUCKET. A new bucket (or max_new_tokens) compiles the generation again; a new length
+    within one does not."""
     return max(MIN_BUCKET, 1 << (length - 1).bit_length())
 
 
