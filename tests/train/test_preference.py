@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.commands import train_command
 from helpers.config import compose_config
 from helpers.paths import REPO
+from helpers.process import run_training, subprocess_env
 from helpers.runs import train_tiny
 
+from meshtrain.checkpoint import committed_steps, read_meta
+from meshtrain.checkpoint.writes import TEST_KILL_ENV
 from meshtrain.config.objective import ObjectiveConfig
 from meshtrain.config.schema import DEFAULT_LOGICAL_AXIS_RULES
 from meshtrain.config.validate import check_config
@@ -168,9 +173,9 @@ def _pairs_file(tmp_path, count=24):
     return path
 
 
-def _dpo(tmp_path, pairs, *overrides, devices):
-    return train_tiny(
-        tmp_path,
+def _dpo_overrides(pairs) -> tuple[str, ...]:
+    """A tiny DPO run on `pairs` (3 steps, no checkpoint unless overridden)."""
+    return (
         "data=preference",
         "objective=dpo",
         f"data.paths=[{pairs}]",
@@ -186,9 +191,11 @@ def _dpo(tmp_path, pairs, *overrides, devices):
         "training.eval_every=0",
         "checkpoint.every_steps=0",
         "training.adam_eps=1e-3",
-        *overrides,
-        devices=devices,
     )
+
+
+def _dpo(tmp_path, pairs, *overrides, devices):
+    return train_tiny(tmp_path, *_dpo_overrides(pairs), *overrides, devices=devices)
 
 
 def test_the_same_pairs_give_the_same_losses_on_any_mesh_and_split(tmp_path):
@@ -376,3 +383,37 @@ def test_a_resumed_run_continues_bit_for_bit_and_its_reference_is_compared(tmp_p
     )
     assert str(err.value).endswith("checkpoint.allow_changes=[objective.reference_weights]")
     assert other.history[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)
+
+
+@pytest.mark.slow  # a child process killed with SIGKILL, then resumed
+def test_a_sigkilled_dpo_run_resumes_bit_identically(tmp_path):
+    """Killed right after its step-3 checkpoint committed, a DPO run resumes there: steps 4-6
+    log the losses, rewards and log-probabilities of the run that was never stopped, bit for
+    bit, and its step-6 checkpoint holds the same values (the reference, never checkpointed, is
+    read again from the starting weights)."""
+    pairs = _pairs_file(tmp_path)
+    run = (*_dpo_overrides(pairs), "training.lr_schedule=constant", "checkpoint.every_steps=3")
+    start = tmp_path / "start"
+    result = train_command(*run, "training.steps=2", f"hydra.run.dir={start}", devices=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = (*run, f"checkpoint.load_params={start / 'checkpoints' / '2'}", "training.steps=6")
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    result = train_command(*run, f"hydra.run.dir={straight}", devices=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    env = subprocess_env(1)
+    env[TEST_KILL_ENV] = "3"
+    result = run_training(*run, f"hydra.run.dir={crashed}", devices=1, env=env, timeout=600)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    assert committed_steps(crashed / "checkpoints") == [3]
+    result = train_command(*run, f"hydra.run.dir={crashed}", devices=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resuming from {crashed}/checkpoints/3 at step 3" in result.stdout
+
+    def logged(run_dir):
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+        keys = ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected")
+        return {r["step"]: [r[k] for k in keys] for r in records if r["step"] > 3}
+
+    assert logged(crashed) == logged(straight) and sorted(logged(straight)) == [4, 5, 6]
+    fingerprints = [read_meta(d / "checkpoints" / "6")["fingerprints"] for d in (straight, crashed)]
+    assert fingerprints[0] == fingerprints[1]
