@@ -161,9 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         for first in range(0, len(prompts), args.batch_size):
-            batch = prompts[first : first + args.batch_size]
-            outputs = generate(batch, args.max_new_tokens, seed=args.seed + first, **sampling)
-            for prompt, output in zip(given[first:], outputs, strict=False):
+            batch = slice(first, first + args.batch_size)
+            outputs = generate(
+                prompts[batch], args.max_new_tokens, seed=args.seed + first, **sampling
+            )
+            for prompt, output in zip(given[batch], outputs, strict=True):
                 if args.prompts is not None:
                     print(json.dumps({"prompt": prompt, "completion": output}), flush=True)
                 else:

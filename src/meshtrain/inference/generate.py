@@ -111,15 +111,34 @@ def _decode(model, token, position, cache, key, temperature, *, vocab_size, gree
     graph=False,
 )
 def _generate_batch(
-    model, tokens, pad, stop_ids, seed, temperature, top_k, top_p, **static
+    model,
+    tokens,
+    pad,
+    stop_ids,
+    seed,
+    temperature,
+    top_k,
+    top_p,
+    *,
+    max_new_tokens: int,
+    vocab_size: int,
+    greedy: bool,
+    truncate: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """Up to max_new_tokens ids after each left-padded prompt of tokens [B, P] (int32; `pad` [B]
     padding slots before each): one prefill, then decode steps in a loop on the device until
     every row has picked one of `stop_ids` [n] or max_new_tokens are picked. Returns the picked
     ids [B, max_new_tokens] (0 after a row's stop id) and the steps run (a scalar)."""
-    max_new_tokens = static.pop("max_new_tokens")
     batch, bucket = tokens.shape
-    pick = partial(_pick, temperature=temperature, top_k=top_k, top_p=top_p, **static)
+    pick = partial(
+        _pick,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        vocab_size=vocab_size,
+        greedy=greedy,
+        truncate=truncate,
+    )
     logits, cache = decode.prefill(model, tokens, bucket, bucket + max_new_tokens, pad)  # [B, V]
     key, step_key = jax.random.split(jax.random.key(seed))
     token = constrain(pick(logits, step_key), ("batch",), model.rules)  # [B]
@@ -221,7 +240,7 @@ def generate_ids_batch(
             pad,
             np.asarray(stops, np.int32),
             np.int32(seed),
-            np.float32(max(temperature, 0.0)),
+            np.float32(temperature),
             np.int32(top_k),
             np.float32(top_p),
             max_new_tokens=max_new_tokens,
