@@ -112,9 +112,7 @@ def meshtrain_child(args: argparse.Namespace) -> dict:
     """The DPO run of `python run_training.py` in this process; its timed steps."""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     sys.path.insert(0, str(REPO / "src"))
-    from hydra import compose, initialize_config_dir
-
-    from meshtrain.config.hydra import register_configs, to_config
+    from meshtrain.config.hydra import compose_config
     from meshtrain.train.loop import train
 
     work = Path(args.work)
@@ -151,9 +149,7 @@ def meshtrain_child(args: argparse.Namespace) -> dict:
     ]
     if args.mode == "lora":
         overrides += [f"model.lora.rank={LORA['rank']}", f"model.lora.alpha={LORA['alpha']}"]
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        cfg = to_config(compose("config", overrides=overrides))
+    cfg = compose_config(*overrides)
     result = train(cfg, work / f"run-{args.mode}")
     data = result.setup.train_data
     times = [h["step_time_s"] for h in result.history if h["step"] > args.warmup]

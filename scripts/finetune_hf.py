@@ -15,17 +15,14 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from meshtrain.cli.train import describe_config_error
-from meshtrain.config.hydra import register_configs, to_config
+from meshtrain.config.hydra import compose_config
 from meshtrain.errors import ConfigError
 from meshtrain.hf.save import export_hf
 from meshtrain.train.loop import train
-
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 def main() -> int:
@@ -40,11 +37,9 @@ def main() -> int:
     try:
         if args.out_dir.exists():
             raise ConfigError(f"{args.out_dir} already exists; export into a new directory")
-        register_configs()
         defaults = [f"model.init_from=hf:{args.hf_dir}", f"data.tokenizer={args.hf_dir}"]
         try:
-            with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-                cfg = to_config(compose("config", overrides=[*defaults, *args.overrides]))
+            cfg = compose_config(*defaults, *args.overrides)
         except (HydraException, OmegaConfBaseException) as err:
             raise ConfigError(describe_config_error(err)) from None
         run_dir = args.run_dir or Path(

@@ -6,14 +6,10 @@ python scripts/model_table.py
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
-from meshtrain.config.hydra import register_configs, to_config
+from meshtrain.config.hydra import compose_config
 from meshtrain.models.transformer import parameter_count
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 ORDER = [
     "gemma3_270m",
     "gemma3_1b",
@@ -31,8 +27,7 @@ ORDER = [
 
 
 def row(name: str) -> str:
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        m = to_config(compose(config_name="config", overrides=[f"model={name}"])).model
+    m = compose_config(f"model={name}").model
     attention = "global"
     if "local" in m.attention_pattern:
         local = m.attention_pattern.count("local")
@@ -52,7 +47,6 @@ def row(name: str) -> str:
 
 
 def main() -> None:
-    register_configs()
     print(
         "| config | layers | d_model | heads q/kv | head_dim | mlp_dim | vocab | context "
         "| attention (window) | RoPE base, scaling | tied | parameters |"

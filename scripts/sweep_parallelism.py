@@ -146,19 +146,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
     import numpy as np
-    from hydra import compose, initialize_config_dir
 
-    from meshtrain.config.hydra import register_configs, to_config
+    from meshtrain.config.hydra import compose_config
     from meshtrain.config.validate import check_against_mesh, check_config, micro_batch_size
     from meshtrain.errors import ConfigError
     from meshtrain.parallel.mesh import parse_mesh_shape
     from meshtrain.train.loop import train
-
-    register_configs()
-
-    def config(overrides):
-        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-            return to_config(compose(config_name="config", overrides=list(overrides)))
 
     def smallest_batch(case: Case) -> tuple[int | None, str | None]:
         """The smallest global batch the case's mesh accepts, or, where none up to 64
@@ -166,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         the batch size)."""
         last_error = None
         for batch in range(case.accumulation, 64 * DEVICES + 1, case.accumulation):
-            cfg = config(case.overrides(batch))
+            cfg = compose_config(*case.overrides(batch))
             try:
                 check_config(cfg)
                 mesh = parse_mesh_shape(cfg.model.mesh_shape, DEVICES)
@@ -189,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 fsdp //= 2
             case = Case((fsdp, 1), ("fsdp", "tp"), "none", 1, accumulation, remat)
             result = train(
-                config(case.overrides(batch)),
+                compose_config(*case.overrides(batch)),
                 work / f"reference-{batch}-{accumulation}-{remat}",
                 devices=jax.devices()[:fsdp],
             )
@@ -217,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 batch = smallest * case.batch_factor
                 record["global_batch"] = batch
                 try:
-                    result = train(config(case.overrides(batch)), work / f"case{i}")
+                    result = train(compose_config(*case.overrides(batch)), work / f"case{i}")
                 except ConfigError as err:
                     outcome, detail = "refused", str(err)
                 else:
