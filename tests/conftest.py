@@ -2,7 +2,9 @@
 fixtures, and two checks of the whole session (helpers.guards): it fails if the checkout's
 outputs/ or multirun/ gained paths while tests ran (the tests', or another process's: the message
 says which test ran), or if a session without slow tests imported torch or transformers. The
-code tests share is in tests/helpers/ (`from helpers.config import ...`)."""
+code tests share is in tests/helpers/ (`from helpers.config import ...`). Measuring the suite:
+MESHTRAIN_TEST_DURATIONS=FILE (each test's seconds), MESHTRAIN_TEST_COMPILES=FILE (the programs
+each test compiled and traced, and their seconds: helpers.compiles)."""
 # ruff: noqa: E402  (the environment must be set before anything imports jax)
 
 import atexit
@@ -51,11 +53,16 @@ _CHECKOUT = pytest.StashKey[guards.Snapshot]()
 _WINDOWS = pytest.StashKey[list[guards.Window]]()
 _SLOW_SELECTED = pytest.StashKey[bool]()
 _FAILURES = pytest.StashKey[list[str]]()
+_COMPILES = pytest.StashKey[object]()  # helpers.compiles.CompileCounter
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.stash[_CHECKOUT] = guards.snapshot()
     session.config.stash[_WINDOWS] = []
+    if os.environ.get("MESHTRAIN_TEST_COMPILES"):  # JAX is imported here, its environment set
+        from helpers.compiles import CompileCounter
+
+        session.config.stash[_COMPILES] = CompileCounter()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -68,6 +75,15 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     finally:
         window = guards.Window(item.nodeid, start, time.time_ns())
         item.config.stash.setdefault(_WINDOWS, []).append(window)
+        _count_compiles(item)
+
+
+def _count_compiles(item: pytest.Item) -> None:
+    """With MESHTRAIN_TEST_COMPILES=FILE, appends the test's line of compiles (helpers.compiles)."""
+    counter = item.config.stash.get(_COMPILES, None)
+    if counter is not None:
+        with open(os.environ["MESHTRAIN_TEST_COMPILES"], "a", encoding="utf-8") as file:
+            file.write(counter.line(item.nodeid))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

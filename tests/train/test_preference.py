@@ -132,13 +132,17 @@ def test_packed_pairs_give_the_loss_and_gradients_of_each_sequence_alone(loss_ty
     objective = Preference(StepInputs(reading, jnp.float32), objective_cfg)
     sums, grads = jax.jit(objective.loss_and_grads(model))(params, rows, reference)
 
+    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+
     def one(weights, ids, prompt):  # the answer's log-probability, the sequence alone
-        net = Transformer(cfg, rngs=nnx.Rngs(0))
-        graphdef, state = nnx.split(net)
+        # Zeros after the sequence (causal: they change none of its logits) give every call
+        # one shape, so the eager ops compile once.
+        padded = np.pad(ids, (0, LENGTH - len(ids)))
         nnx.replace_by_pure_dict(state, weights)
-        logits = nnx.merge(graphdef, state)(jnp.asarray(ids[None, :-1]))[0]
-        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), ids[1:, None], axis=-1)[:, 0]
-        return jnp.sum(picked[prompt - 1 :]), len(ids) - prompt
+        logits = nnx.merge(graphdef, state)(jnp.asarray(padded[None, :-1]))[0]
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), padded[1:, None], axis=-1)[:, 0]
+        answer = (np.arange(LENGTH - 1) >= prompt - 1) & (np.arange(LENGTH - 1) < len(ids) - 1)
+        return jnp.sum(jnp.where(answer, picked, 0.0)), len(ids) - prompt
 
     def definition(weights):
         losses = []
