@@ -24,20 +24,26 @@ class ObjectiveConfig:
     name: str = "lm"  # ObjectiveName
     """lm: the next-token loss on the targets that carry loss (pretraining, SFT); dpo: a preference loss on pairs of answers (data=preference)."""
     loss_type: str = "sigmoid"  # PreferenceLoss
-    """dpo: sigmoid (DPO), ipo (IPO, length-normalised), hinge (SLiC), robust (rDPO, with label_smoothing) or simpo (SimPO: reference-free, length-normalised, with gamma)."""
+    """dpo: sigmoid (DPO), ipo (IPO, length-normalised), hinge (SLiC), robust (rDPO, with label_smoothing) or simpo (SimPO: reference-free, length-normalised, with gamma); grpo (train.objectives.policy_gradient): grpo, dr_grpo or dapo, how the per-token losses are averaged."""
     beta: float = 0.1
-    """dpo: the strength of the preference against the reference (SimPO: the reward scale); > 0."""
+    """dpo: the strength of the preference against the reference (SimPO: the reward scale), > 0; grpo: the weight of the per-token KL to the reference, >= 0."""
     label_smoothing: float = 0.0
     """dpo: the share of pairs assumed flipped, in [0, 0.5): conservative DPO with sigmoid, robust DPO with robust, and SimPO's."""
     gamma: float = 0.5
     """dpo, simpo: SimPO's target reward margin (trl's simpo_gamma)."""
     reference: str = "initial"  # Reference
-    """dpo: the model the preferences are measured against: initial (a frozen copy of the starting weights; with LoRA, the base with the adapters off) or none (simpo)."""
+    """dpo, grpo: the model the policy is measured against: initial (a frozen copy of the starting weights; with LoRA, the base with the adapters off) or none (simpo; grpo with beta=0)."""
+    epsilon: float = 0.2
+    """grpo: the clipping range of the policy ratio below 1 (PPO's ε); > 0."""
+    epsilon_high: float | None = None
+    """grpo: the clipping range above 1 (DAPO's clip-higher); null: epsilon."""
+    max_new_tokens: int = 256
+    """grpo: the most tokens a sampled completion has (dr_grpo divides by it)."""
 
 
 def reads_reference(cfg: ObjectiveConfig) -> bool:
     """Whether the objective measures the policy against a reference model."""
-    return cfg.name == "dpo" and cfg.reference != "none"
+    return cfg.name in ("dpo", "grpo") and cfg.reference != "none"
 
 
 def check_objective(cfg: ObjectiveConfig, *, data_source: str, document_masking: bool) -> None:

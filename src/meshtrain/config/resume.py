@@ -116,6 +116,9 @@ ALLOWED = (
     "objective.beta",
     "objective.label_smoothing",
     "objective.gamma",
+    "objective.epsilon",
+    "objective.epsilon_high",
+    "objective.max_new_tokens",
 )
 IGNORED = (
     "model.init_std",  # a resumed run is not initialised

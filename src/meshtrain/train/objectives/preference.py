@@ -20,12 +20,8 @@ over the count of pairs), so it does not depend on the split of the batch. The m
 over the pairs: rewards/chosen = β·(logp_c − ref_c) (SimPO: β·avg logp_c), rewards/rejected,
 rewards/accuracies (chosen reward above rejected), rewards/margins, logps/chosen, logps/rejected.
 
-The gradient: the loss is a function of the sequences' log-probabilities, so its gradient is
-Σ_t c_t ∇log p(target_t), with c_t = ∂loss/∂logp of the token's sequence; the fused output
-projection + cross-entropy (train.loss.output_cross_entropy) computes exactly that with each
-token weighed by −c_t, without materialising [B, T, V]. The reference runs forward only, under
-stop_gradient: the frozen copy of the starting weights in the state's `frozen`, or with LoRA
-the base with the adapters off (no second copy of the weights).
+The gradient and the reference: train.objectives.token_scores (the loss is a function of the
+answers' log-probabilities; the reference runs forward only).
 """
 
 from __future__ import annotations
@@ -36,11 +32,11 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.config.objective import ObjectiveConfig, reads_reference
-from meshtrain.models.abstract import AbstractModel, merge_model
+from meshtrain.models.abstract import AbstractModel
 from meshtrain.models.lora import AdapterDropout
 from meshtrain.train.gradients import Sums
-from meshtrain.train.loss import output_cross_entropy, target_log_probs
-from meshtrain.train.objectives.base import Objective, StepInputs, cast_params
+from meshtrain.train.objectives.base import Objective, StepInputs
+from meshtrain.train.objectives.token_scores import policy_scores, reference_log_probs
 
 METRICS = (
     "rewards/chosen",
@@ -106,23 +102,12 @@ class Preference(Objective):
         frozen: Any,
         dropout: AdapterDropout | None = None,
     ) -> Sums:
-        dtype = self.inputs.compute_dtype
-        inputs, targets, mask, segment_ids, positions = self.inputs.token_format.read(rows)
-        net = merge_model(model, cast_params(model, model.full_params(params, frozen), dtype))
-        hidden = net.hidden(inputs, positions, segment_ids, dropout, in_layout=True)
-        weight, layout = net.output_weight()
-        token_log_probs = target_log_probs(hidden, weight, layout, targets, rules=net.rules)
+        policy = policy_scores(self.inputs, model, params, frozen, rows, dropout)
+        mask, segment_ids = policy.mask, policy.segment_ids
         if self.reads_reference:
-            reference = merge_model(
-                model, cast_params(model, self._reference(model, params, frozen), dtype)
-            )
-            ref_hidden = reference.hidden(inputs, positions, segment_ids, in_layout=True)
-            ref_weight, _ = reference.output_weight()
-            ref_log_probs = target_log_probs(
-                ref_hidden, ref_weight, layout, targets, rules=net.rules
-            )
+            ref_log_probs = reference_log_probs(self.inputs, model, params, frozen, policy)
         else:
-            ref_log_probs = jnp.zeros_like(token_log_probs)
+            ref_log_probs = jnp.zeros_like(policy.log_probs)
 
         def pairs(per_token: jax.Array) -> tuple[jax.Array, jax.Array]:
             """[B, T] → the chosen and rejected sequences' sums over their answer tokens, each
@@ -150,31 +135,19 @@ class Preference(Objective):
             )
             return jnp.sum(jnp.where(valid, losses, 0.0))
 
-        chosen, rejected = pairs(token_log_probs)
+        chosen, rejected = pairs(policy.log_probs)
         loss, (d_chosen, d_rejected) = jax.value_and_grad(total, argnums=(0, 1))(chosen, rejected)
-        # Each answer token weighed by −∂loss/∂logp of its sequence: the fused cross-entropy
-        # (−Σ weight · log p) then has the loss's gradient.
+        # Each answer token's coefficient is ∂loss/∂logp of its sequence.
         per_sequence = jnp.zeros((mask.shape[0], mask.shape[1] + 1), jnp.float32)
         per_sequence = per_sequence.at[:, 1::2].set(
             _padded(d_chosen.reshape(mask.shape[0], -1), per_sequence[:, 1::2].shape[1])
         )
         per_sequence = per_sequence.at[:, 2::2].set(d_rejected.reshape(mask.shape[0], -1))
-        coefficient = jnp.take_along_axis(per_sequence, segment_ids, axis=1) * mask
-        surrogate = output_cross_entropy(
-            hidden, weight, layout, targets, -coefficient, rules=net.rules
-        )
-        loss = surrogate + jax.lax.stop_gradient(loss - surrogate)
+        coefficients = jnp.take_along_axis(per_sequence, segment_ids, axis=1) * mask
+        loss = policy.loss_with_gradient(loss, coefficients)
         return {"loss": loss, "count": jnp.sum(valid, dtype=jnp.float32)} | self._metric_sums(
             chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, valid
         )
-
-    def _reference(self, model: AbstractModel, params: Any, frozen: Any) -> Any:
-        """The reference's parameters: with LoRA, the base with every adapter zero (the
-        adapters off); else the frozen copy of the starting weights."""
-        if model.lora:
-            off = jax.tree.map(jnp.zeros_like, params)
-            return jax.lax.stop_gradient(model.full_params(off, frozen))
-        return jax.lax.stop_gradient(frozen)
 
     def _metric_sums(
         self,

@@ -1,0 +1,178 @@
+"""The policy-gradient objective (meshtrain.train.objectives.policy_gradient): the per-token losses
+are the published formulas, each loss type's sum and count add up over any split of the rows, and
+the objective's loss and gradients over rows of prompts and completions equal the unfused
+definition (each completion alone, log_softmax over its whole logits), with and without the KL
+to a reference. trl's GRPOTrainer itself: tests/hf/test_policy_gradient_live.py (the parity
+extra)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers.config import compose_config
+
+from meshtrain.config.objective import ObjectiveConfig
+from meshtrain.data.chat.marks import DOCUMENT_START, NOT_TRAINED
+from meshtrain.models.abstract import abstract_model
+from meshtrain.models.transformer import Transformer
+from meshtrain.parallel.mesh import build_mesh, parse_mesh_shape
+from meshtrain.train.documents import DocumentBoundaries, TokenFormat
+from meshtrain.train.objectives import GroupRelative, StepInputs
+from meshtrain.train.objectives.policy_gradient import (
+    loss_sum_and_count,
+    split_advantages,
+    token_losses,
+    with_advantages,
+)
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+
+
+def _published(log_probs, old, ref, advantages, mask, loss_type, beta, low, high, max_new):
+    """GRPO's loss written out in float64 numpy, one completion (row) at a time."""
+    per_row = []
+    for lp, o, r, a, m in zip(log_probs, old, ref, advantages, mask, strict=True):
+        ratio = np.exp(lp - o)
+        loss = -np.minimum(ratio * a, np.clip(ratio, 1 - low, 1 + high) * a)
+        loss = loss + beta * (np.exp(r - lp) - (r - lp) - 1)
+        per_row.append((loss * m).sum())
+    per_row, tokens = np.array(per_row), mask.sum(axis=1)
+    if loss_type == "grpo":
+        return np.mean(per_row / np.maximum(tokens, 1))
+    if loss_type == "dr_grpo":
+        return per_row.sum() / (len(per_row) * max_new)
+    return per_row.sum() / tokens.sum()
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_the_loss_is_the_published_formula_and_adds_up_over_any_split(loss_type, beta):
+    rng = np.random.default_rng(0)
+    rows, length = 6, 9
+    log_probs = rng.normal(-2.0, 0.5, (rows, length))
+    old = log_probs + rng.normal(0, 0.3, (rows, length))  # ratios on both sides of the clip range
+    ref = log_probs + rng.normal(0, 0.2, (rows, length))
+    advantages = rng.normal(0, 1, rows)
+    mask = (np.arange(length)[None, :] < rng.integers(1, length + 1, rows)[:, None]) * 1.0
+    cfg = ObjectiveConfig(
+        name="grpo",
+        loss_type=loss_type,
+        beta=beta,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        max_new_tokens=12,
+    )
+    expected = _published(log_probs, old, ref, advantages, mask, loss_type, beta, 0.2, 0.28, 12)
+
+    def loss_of(part: slice):
+        as32 = lambda x: jnp.asarray(x[part], jnp.float32)  # noqa: E731
+        losses, _ = token_losses(as32(log_probs), as32(old), as32(ref), as32(advantages), cfg)
+        return loss_sum_and_count(losses, as32(mask), cfg)
+
+    whole_sum, whole_count = loss_of(slice(None))
+    np.testing.assert_allclose(float(whole_sum / whole_count), expected, rtol=1e-5)
+    halves = [loss_of(slice(0, 2)), loss_of(slice(2, None))]
+    np.testing.assert_allclose(
+        float(sum(s for s, _ in halves) / sum(c for _, c in halves)), expected, rtol=1e-5
+    )
+
+
+def test_the_clip_metrics_count_the_tokens_outside_the_range_on_the_advantages_side():
+    cfg = ObjectiveConfig(name="grpo", beta=0.0, epsilon=0.2, epsilon_high=0.3)
+    log_probs = jnp.log(jnp.array([[0.7, 1.0, 1.35, 0.5]], jnp.float32))  # ratios to old = 1
+    old = jnp.zeros((1, 4), jnp.float32)
+    for advantage, low, high in ((-1.0, [1, 0, 0, 1], [0] * 4), (1.0, [0] * 4, [0, 0, 1, 0])):
+        _, parts = token_losses(log_probs, old, None, jnp.array([advantage]), cfg)
+        np.testing.assert_array_equal(parts["clip_ratio/low_mean"][0], low)
+        np.testing.assert_array_equal(parts["clip_ratio/high_mean"][0], high)
+        region = np.maximum(low, high)
+        np.testing.assert_array_equal(parts["clip_ratio/region_mean"][0], region)
+    assert "kl" not in parts
+
+
+def test_the_advantage_travels_in_the_rows_bit_for_bit():
+    tokens = np.arange(12, dtype=np.int32).reshape(3, 4)
+    advantages = np.array([-1.5, 0.0, 3.25e-7], np.float32)
+    back_tokens, back = split_advantages(with_advantages(tokens, advantages))
+    np.testing.assert_array_equal(back_tokens, tokens)
+    np.testing.assert_array_equal(np.asarray(back), advantages)
+
+
+LENGTH = 25  # seq_len + 1
+# (prompt tokens, completion tokens) of each row: one completion a row, padding after.
+ROWS = [(4, 7), (3, 12), (6, 2), (5, 9)]
+
+
+def _rows(rng):
+    """Flagged rows [4, LENGTH] and each row's (ids, prompt length) alone."""
+    rows, sequences = [], []
+    for prompt, completion in ROWS:
+        ids = rng.integers(1, 300, prompt + completion).astype(np.int32)
+        marks = np.where(np.arange(len(ids)) < prompt, NOT_TRAINED, 0)
+        marks[0] |= DOCUMENT_START
+        padding = np.full(LENGTH - len(ids), NOT_TRAINED, np.int32)
+        rows.append(np.concatenate([ids | marks, padding]))
+        sequences.append((ids, prompt))
+    return np.stack(rows), sequences
+
+
+@pytest.mark.parametrize(("loss_type", "beta"), [("grpo", 0.0), ("dapo", 0.04)])
+def test_the_loss_and_gradients_of_rows_are_those_of_each_completion_alone(loss_type, beta):
+    cfg = dataclasses.replace(compose_config().model, tie_embeddings=True)
+    spec = parse_mesh_shape([[1, 1], ["fsdp", "tp"]], 1)
+    model = abstract_model(cfg, build_mesh(spec, jax.devices()[:1]), spec)
+    params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    reference = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(1)), nnx.Param))
+    tokens, sequences = _rows(np.random.default_rng(0))
+    advantages = np.array([1.2, -0.4, 0.0, -0.8], np.float32)
+    objective_cfg = ObjectiveConfig(
+        name="grpo", loss_type=loss_type, beta=beta, reference="initial" if beta else "none"
+    )
+    reading = TokenFormat(documents=DocumentBoundaries(bos_id=-1, eos_id=-1), flagged=True)
+    objective = GroupRelative(StepInputs(reading, jnp.float32), objective_cfg)
+    rows = with_advantages(tokens, advantages)
+    sums, grads = jax.jit(objective.loss_and_grads(model))(params, rows, reference)
+
+    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+
+    def completion_log_probs(weights, ids, prompt):
+        """[LENGTH - 1]: each completion target's log-probability, the sequence alone (zeros
+        after it, which a causal model does not read, give every call one shape), and its mask."""
+        padded = np.pad(ids, (0, LENGTH - len(ids)))
+        nnx.replace_by_pure_dict(state, weights)
+        logits = nnx.merge(graphdef, state)(jnp.asarray(padded[None, :-1]))[0]
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), padded[1:, None], axis=-1)[:, 0]
+        positions = np.arange(LENGTH - 1)
+        mask = ((positions >= prompt - 1) & (positions < len(ids) - 1)).astype(np.float32)
+        return picked * mask, mask
+
+    def definition(weights):
+        scored = [completion_log_probs(weights, ids, prompt) for ids, prompt in sequences]
+        log_probs = jnp.stack([lp for lp, _ in scored])
+        mask = jnp.stack([m for _, m in scored])
+        ref = None
+        if beta:
+            ref = jnp.stack([completion_log_probs(reference, i, p)[0] for i, p in sequences])
+        losses, _ = token_losses(
+            log_probs, jax.lax.stop_gradient(log_probs), ref, jnp.asarray(advantages), objective_cfg
+        )
+        loss, count = loss_sum_and_count(losses, mask, objective_cfg)
+        return loss / count
+
+    expected, expected_grads = jax.value_and_grad(definition)(params)
+    completions = sum(c for _, c in ROWS)
+    assert float(sums["tokens"]) == completions
+    assert float(sums["count"]) == (completions if loss_type == "dapo" else len(ROWS))
+    count = float(sums["count"])
+    np.testing.assert_allclose(sums["loss"] / count, expected, rtol=1e-5)
+    for ours, theirs in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
+        np.testing.assert_allclose(ours / count, theirs, rtol=1e-4, atol=2e-7)
+    metrics = objective.metrics(sums)
+    assert metrics["clip_ratio/region_mean"] == 0.0  # one update per rollout: the ratio is 1
+    if beta:
+        assert float(metrics["kl"]) > 0
