@@ -7,21 +7,14 @@ extra)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-from helpers.config import compose_config
+from helpers.objectives import FLAGGED, tiny_policy
 
 from meshtrain.config.objective import ObjectiveConfig
 from meshtrain.data.chat.marks import DOCUMENT_START, NOT_TRAINED
-from meshtrain.models.abstract import abstract_model
-from meshtrain.models.transformer import Transformer
-from meshtrain.parallel.mesh import build_mesh, parse_mesh_shape
-from meshtrain.train.documents import DocumentBoundaries, TokenFormat
 from meshtrain.train.objectives import GroupRelative, StepInputs
 from meshtrain.train.objectives.policy_gradient import (
     loss_sum_and_count,
@@ -123,33 +116,23 @@ def _rows(rng):
 
 @pytest.mark.parametrize(("loss_type", "beta"), [("grpo", 0.0), ("dapo", 0.04)])
 def test_the_loss_and_gradients_of_rows_are_those_of_each_completion_alone(loss_type, beta):
-    cfg = dataclasses.replace(compose_config().model, tie_embeddings=True)
-    spec = parse_mesh_shape([[1, 1], ["fsdp", "tp"]], 1)
-    model = abstract_model(cfg, build_mesh(spec, jax.devices()[:1]), spec)
-    params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param))
-    reference = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(1)), nnx.Param))
+    policy = tiny_policy()
+    params, reference = policy.params, policy.reference
     tokens, sequences = _rows(np.random.default_rng(0))
     advantages = np.array([1.2, -0.4, 0.0, -0.8], np.float32)
     objective_cfg = ObjectiveConfig(
         name="grpo", loss_type=loss_type, beta=beta, reference="initial" if beta else "none"
     )
-    reading = TokenFormat(documents=DocumentBoundaries(bos_id=-1, eos_id=-1), flagged=True)
-    objective = GroupRelative(StepInputs(reading, jnp.float32), objective_cfg)
+    objective = GroupRelative(StepInputs(FLAGGED, jnp.float32), objective_cfg)
     rows = with_advantages(tokens, advantages)
-    sums, grads = jax.jit(objective.loss_and_grads(model))(params, rows, reference)
-
-    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    sums, grads = jax.jit(objective.loss_and_grads(policy.model))(params, rows, reference)
 
     def completion_log_probs(weights, ids, prompt):
-        """[LENGTH - 1]: each completion target's log-probability, the sequence alone (zeros
-        after it, which a causal model does not read, give every call one shape), and its mask."""
-        padded = np.pad(ids, (0, LENGTH - len(ids)))
-        nnx.replace_by_pure_dict(state, weights)
-        logits = nnx.merge(graphdef, state)(jnp.asarray(padded[None, :-1]))[0]
-        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), padded[1:, None], axis=-1)[:, 0]
+        """[LENGTH - 1]: each completion target's log-probability, the sequence alone, and the
+        completion's mask."""
         positions = np.arange(LENGTH - 1)
         mask = ((positions >= prompt - 1) & (positions < len(ids) - 1)).astype(np.float32)
-        return picked * mask, mask
+        return policy.log_probs_alone(weights, ids, LENGTH) * mask, mask
 
     def definition(weights):
         scored = [completion_log_probs(weights, ids, prompt) for ids, prompt in sequences]

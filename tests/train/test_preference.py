@@ -6,7 +6,6 @@ test_preference_live.py (slow, the parity extra)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 
@@ -14,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from helpers.commands import train_command
 from helpers.config import compose_config
+from helpers.objectives import FLAGGED, tiny_policy
 from helpers.paths import REPO
 from helpers.process import run_training, subprocess_env
 from helpers.runs import train_tiny
@@ -28,10 +27,6 @@ from meshtrain.config.schema import DEFAULT_LOGICAL_AXIS_RULES
 from meshtrain.config.validate import check_config
 from meshtrain.data.chat.marks import DOCUMENT_START, NOT_TRAINED
 from meshtrain.errors import ConfigError
-from meshtrain.models.abstract import abstract_model
-from meshtrain.models.transformer import Transformer
-from meshtrain.parallel.mesh import build_mesh, parse_mesh_shape
-from meshtrain.train.documents import DocumentBoundaries, TokenFormat
 from meshtrain.train.loss import target_log_probs
 from meshtrain.train.objectives import Preference, StepInputs
 from meshtrain.train.objectives.preference import pair_loss
@@ -121,26 +116,15 @@ def _packed_rows(rng):
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_packed_pairs_give_the_loss_and_gradients_of_each_sequence_alone(loss_type):
-    cfg = dataclasses.replace(compose_config().model, tie_embeddings=True)
-    spec = parse_mesh_shape([[1, 1], ["fsdp", "tp"]], 1)
-    model = abstract_model(cfg, build_mesh(spec, jax.devices()[:1]), spec)
-    params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param))
-    reference = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(1)), nnx.Param))
+    policy = tiny_policy()
+    params, reference = policy.params, policy.reference
     rows, sequences = _packed_rows(np.random.default_rng(0))
     objective_cfg = ObjectiveConfig(name="dpo", loss_type=loss_type, beta=0.2)
-    reading = TokenFormat(documents=DocumentBoundaries(bos_id=-1, eos_id=-1), flagged=True)
-    objective = Preference(StepInputs(reading, jnp.float32), objective_cfg)
-    sums, grads = jax.jit(objective.loss_and_grads(model))(params, rows, reference)
-
-    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    objective = Preference(StepInputs(FLAGGED, jnp.float32), objective_cfg)
+    sums, grads = jax.jit(objective.loss_and_grads(policy.model))(params, rows, reference)
 
     def one(weights, ids, prompt):  # the answer's log-probability, the sequence alone
-        # Zeros after the sequence (causal: they change none of its logits) give every call
-        # one shape, so the eager ops compile once.
-        padded = np.pad(ids, (0, LENGTH - len(ids)))
-        nnx.replace_by_pure_dict(state, weights)
-        logits = nnx.merge(graphdef, state)(jnp.asarray(padded[None, :-1]))[0]
-        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), padded[1:, None], axis=-1)[:, 0]
+        picked = policy.log_probs_alone(weights, ids, LENGTH)
         answer = (np.arange(LENGTH - 1) >= prompt - 1) & (np.arange(LENGTH - 1) < len(ids) - 1)
         return jnp.sum(jnp.where(answer, picked, 0.0)), len(ids) - prompt
 
