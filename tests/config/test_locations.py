@@ -18,6 +18,7 @@ GEMMA = REPO / "tests" / "fixtures" / "chat" / "gemma3"
 def test_existing_paths_become_absolute_and_names_stay(tmp_path, monkeypatch):
     (tmp_path / "base").mkdir()
     (tmp_path / "weights").mkdir()
+    (tmp_path / "rewards.py").write_text("def f(**kwargs): ...\n")
     monkeypatch.chdir(tmp_path)
     cfg = with_absolute_paths(
         compose_config(
@@ -25,8 +26,10 @@ def test_existing_paths_become_absolute_and_names_stay(tmp_path, monkeypatch):
             "model.init_from=hf:base",
             "checkpoint.load_params=weights",
             "model.lora.init_from=peft:missing",
+            "objective.rewards=[rewards.py:f,json:dumps,missing.py:g]",
         )
     )
+    assert cfg.objective.rewards == [f"{tmp_path / 'rewards.py'}:f", "json:dumps", "missing.py:g"]
     assert cfg.data.tokenizer == str(tmp_path / "base")
     assert cfg.model.init_from == f"hf:{tmp_path / 'base'}"
     assert cfg.checkpoint.load_params == str(tmp_path / "weights")

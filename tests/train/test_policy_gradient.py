@@ -14,14 +14,9 @@ import pytest
 from helpers.objectives import FLAGGED, tiny_policy
 
 from meshtrain.config.objective import ObjectiveConfig
-from meshtrain.data.chat.marks import DOCUMENT_START, NOT_TRAINED
+from meshtrain.rl.rows import completion_rows, with_advantages
 from meshtrain.train.objectives import GroupRelative, StepInputs
-from meshtrain.train.objectives.policy_gradient import (
-    loss_sum_and_count,
-    split_advantages,
-    token_losses,
-    with_advantages,
-)
+from meshtrain.train.objectives.policy_gradient import loss_sum_and_count, token_losses
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 
@@ -88,30 +83,18 @@ def test_the_clip_metrics_count_the_tokens_outside_the_range_on_the_advantages_s
     assert "kl" not in parts
 
 
-def test_the_advantage_travels_in_the_rows_bit_for_bit():
-    tokens = np.arange(12, dtype=np.int32).reshape(3, 4)
-    advantages = np.array([-1.5, 0.0, 3.25e-7], np.float32)
-    back_tokens, back = split_advantages(with_advantages(tokens, advantages))
-    np.testing.assert_array_equal(back_tokens, tokens)
-    np.testing.assert_array_equal(np.asarray(back), advantages)
-
-
 LENGTH = 25  # seq_len + 1
 # (prompt tokens, completion tokens) of each row: one completion a row, padding after.
 ROWS = [(4, 7), (3, 12), (6, 2), (5, 9)]
 
 
 def _rows(rng):
-    """Flagged rows [4, LENGTH] and each row's (ids, prompt length) alone."""
-    rows, sequences = [], []
-    for prompt, completion in ROWS:
-        ids = rng.integers(1, 300, prompt + completion).astype(np.int32)
-        marks = np.where(np.arange(len(ids)) < prompt, NOT_TRAINED, 0)
-        marks[0] |= DOCUMENT_START
-        padding = np.full(LENGTH - len(ids), NOT_TRAINED, np.int32)
-        rows.append(np.concatenate([ids | marks, padding]))
-        sequences.append((ids, prompt))
-    return np.stack(rows), sequences
+    """Rows [4, LENGTH] (meshtrain.rl.rows) and each row's (ids, prompt length) alone."""
+    sequences = [(rng.integers(1, 300, p + c).astype(np.int32), p) for p, c in ROWS]
+    prompts = [ids[:p] for ids, p in sequences]
+    completions = [ids[p:] for ids, p in sequences]
+    rows = completion_rows(prompts, completions, np.ones(len(ROWS), bool), LENGTH)
+    return rows, sequences
 
 
 @pytest.mark.parametrize(("loss_type", "beta"), [("grpo", 0.0), ("dapo", 0.04)])

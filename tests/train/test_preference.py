@@ -284,7 +284,10 @@ def test_more_meshes_and_splits(mesh, accumulation, global_batch, tmp_path):
             ("objective=dpo", "data=preference", "data.document_masking=false"),
             "objective=dpo reads each pair's answers as documents: set data.document_masking=true",
         ),
-        (("objective.name=ppo",), "objective.name='ppo' is not supported; use one of: lm, dpo"),
+        (
+            ("objective.name=ppo",),
+            "objective.name='ppo' is not supported; use one of: lm, dpo, grpo",
+        ),
     ],
 )
 def test_bad_settings_are_one_line(overrides, message):

@@ -1,6 +1,7 @@
 """The paths a run records, made absolute at its start, so that its directory travels: a run
 directory read from another working directory (meshtrain-eval, meshtrain-generate, an export)
-finds the tokenizer and the weights its run started from.
+finds the tokenizer and the weights its run started from, and a resumed policy-gradient run its
+reward functions.
 
 Only paths that exist are rewritten (a name such as `byte`, or a path that a check will refuse,
 is left for that check). A Hugging Face id instead of a directory (model.init_from=hf:ORG/NAME,
@@ -31,9 +32,9 @@ def _absolute(path: str | None, prefix: str = "", hub_key: str | None = None) ->
 
 
 def with_absolute_paths(cfg: Config) -> Config:
-    """`cfg` with data.tokenizer, model.init_from (hf:), model.lora.init_from (peft:) and
-    checkpoint.load_params absolute where they name existing paths, and the first two's
-    Hugging Face ids resolved to their cached snapshots."""
+    """`cfg` with data.tokenizer, model.init_from (hf:), model.lora.init_from (peft:),
+    checkpoint.load_params and the files of objective.rewards absolute where they name existing
+    paths, and the first two's Hugging Face ids resolved to their cached snapshots."""
     lora = dataclasses.replace(
         cfg.model.lora, init_from=_absolute(cfg.model.lora.init_from, "peft:")
     )
@@ -44,4 +45,18 @@ def with_absolute_paths(cfg: Config) -> Config:
     checkpoint = dataclasses.replace(
         cfg.checkpoint, load_params=_absolute(cfg.checkpoint.load_params)
     )
-    return dataclasses.replace(cfg, model=model, data=data, checkpoint=checkpoint)
+    objective = dataclasses.replace(
+        cfg.objective, rewards=[_absolute_function(spec) for spec in cfg.objective.rewards]
+    )
+    return dataclasses.replace(
+        cfg, model=model, data=data, checkpoint=checkpoint, objective=objective
+    )
+
+
+def _absolute_function(spec: str) -> str:
+    """A reward function named "path/to/file.py:function" with the file's path absolute (a
+    "module:function" left as it is)."""
+    where, colon, name = spec.rpartition(":")
+    if not where.endswith(".py"):
+        return spec
+    return f"{_absolute(where)}{colon}{name}"

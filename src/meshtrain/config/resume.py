@@ -80,6 +80,7 @@ REFUSED = (
     "objective.loss_type",
     "objective.reference",
     "objective.reference_weights",  # its identity (weights.lora_base: the caller puts it here)
+    "objective.num_generations",  # the prompts each step reads
 )
 ALLOWED = (
     "model.name",
@@ -119,6 +120,13 @@ ALLOWED = (
     "objective.epsilon",
     "objective.epsilon_high",
     "objective.max_new_tokens",
+    "objective.temperature",
+    "objective.top_k",
+    "objective.top_p",
+    "objective.rewards",
+    "objective.reward_weights",
+    "objective.scale_rewards",
+    "objective.mask_truncated_completions",
 )
 IGNORED = (
     "model.init_std",  # a resumed run is not initialised

@@ -45,9 +45,10 @@ PipelineSchedule = Literal["gpipe", "circular", "1f1b"]
 """training.pipeline.schedule."""
 ResumeMode = Literal["auto", "never"]
 """checkpoint.resume, unless it is a checkpoint path."""
-DataSource = Literal["text", "prepared", "synthetic", "chat", "preference"]
+DataSource = Literal["text", "prepared", "synthetic", "chat", "preference", "prompts"]
 """data.source: local documents (tokenised once into the data cache), a directory made by
-`python -m meshtrain.data.prepare`, or random tokens."""
+`python -m meshtrain.data.prepare`, random tokens, conversations, preference pairs, or prompts to
+sample completions from (objective=grpo)."""
 BadRecordPolicy = Literal["error", "skip"]
 """data.on_bad_record."""
 DataVerify = Literal["quick", "full"]
@@ -203,7 +204,7 @@ class DataConfig:
     messages_key: str = "messages"
     """chat: the field or column of a conversation, a list of {role, content} (system, user, assistant)."""
     prompt_key: str = "prompt"
-    """chat and preference: the field or column of a prompt (a string, or a list of messages), with completion_key (chat) or chosen_key and rejected_key (preference)."""
+    """chat, preference and prompts: the field or column of a prompt (a string, or a list of messages), with completion_key (chat) or chosen_key and rejected_key (preference); prompts: the records' other columns reach the reward functions."""
     completion_key: str = "completion"
     """chat: the field or column of the completion that answers prompt_key."""
     chosen_key: str = "chosen"
@@ -211,7 +212,7 @@ class DataConfig:
     rejected_key: str = "rejected"
     """preference: the field or column of the answer not preferred, in the form of chosen_key."""
     chat_template: str | None = None
-    """chat and preference: a .jinja file rendering conversations; null: the tokenizer's own (tokenizer_config.json or chat_template.jinja)."""
+    """chat, preference and prompts: a .jinja file rendering conversations; null: the tokenizer's own (tokenizer_config.json or chat_template.jinja)."""
     train_on: str | None = None  # TrainOn
     """chat: the tokens that carry loss: assistant (every assistant turn), completion (the completion; for messages, the last assistant turn) or all; null: assistant for messages, completion for prompt/completion."""
     overlong: str = "truncate"  # Overlong

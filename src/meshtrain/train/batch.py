@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -32,6 +32,21 @@ def to_global_array(
 ) -> jax.Array:
     """One jax.Array over all processes from this process's rows (no host-side global batch)."""
     return jax.make_array_from_process_local_data(sharding, local, tuple(global_shape))
+
+
+class BatchSource(Protocol):
+    """What the loop, the checkpoints and the step's record read from the train batches:
+    DeviceBatches (a dataset's), meshtrain.rl.rollouts.RolloutBatches (sampled completions)."""
+
+    global_batch: int
+
+    def __next__(self) -> jax.Array: ...
+    def prefetch(self) -> None: ...
+    def follow(self, state: Any) -> None: ...
+    def logged(self, step: int) -> dict[str, float]: ...
+    def position(self, step: int) -> int: ...
+    def get_state(self) -> dict: ...
+    def set_state(self, state: dict) -> None: ...
 
 
 class DeviceBatches:
@@ -65,9 +80,15 @@ class DeviceBatches:
             self._state_before_ahead = self._batches.get_state()
             self._ahead = to_global_array(next(self._batches), self._sharding, self._global_shape)
 
-    def shares(self, step: int) -> dict[str, float]:
-        """Each mixture source's share of the steps before `step` (BatchIterator.shares)."""
-        return self._batches.shares(step)
+    def follow(self, state: Any) -> None:
+        """Nothing: a dataset's batches do not depend on the policy (a policy-gradient run's
+        do: meshtrain.rl.rollouts.RolloutBatches)."""
+
+    def logged(self, step: int) -> dict[str, float]:
+        """What the step's record logs of its batch: data_share/<source>, each mixture source's
+        share of the sequences of steps 1..step, as drawn (BatchIterator.shares; the steps
+        before a resume included)."""
+        return {f"data_share/{name}": share for name, share in self._batches.shares(step).items()}
 
     def position(self, step: int) -> int:
         """The stream position of iterator step `step`'s first sequence (BatchIterator)."""

@@ -57,6 +57,18 @@ def describe(setup: Setup) -> None:
         setup.batch_shards,
         cfg.training.gradient_accumulation_steps,
     )
+    if setup.rollouts is not None:
+        objective = cfg.objective
+        log.info(
+            "data: %d prompts; each step samples %d completions of %d of them (up to %d tokens, "
+            "temperature %g), scored by %s",
+            len(setup.rollouts.prompts),
+            objective.num_generations,
+            setup.rollouts.prompts.per_step,
+            objective.max_new_tokens,
+            objective.temperature,
+            ", ".join(setup.rollouts.rewards.names),
+        )
     if setup.train_data is not None:
         masking = "on" if setup.token_format.documents else "off"
         log.info(

@@ -26,7 +26,8 @@ from meshtrain.models.initialization import initial_params
 from meshtrain.observe.metrics import MetricsWriter, setup_logging
 from meshtrain.observe.progress import phase
 from meshtrain.observe.throughput import ThroughputMeter
-from meshtrain.train.batch import DeviceBatches, process_rows
+from meshtrain.rl.rollouts import RolloutBatches
+from meshtrain.train.batch import BatchSource, DeviceBatches, process_rows
 from meshtrain.train.compilation import compile_train_step, inspect_compiled, throughput_meter
 from meshtrain.train.describe import describe
 from meshtrain.train.evaluation import make_evaluator
@@ -96,6 +97,7 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
         _, communication = inspect_compiled(setup, train_step, tx, shardings, run_dir, is_main)
         batches = _batch_iterator(setup, batch_sharding)
         state, start_step = _initial_state(setup, checkpoints, tx, shardings, batches)
+        batches.follow(state)  # a policy-gradient run samples from the policy it trains
         clock = StepClock(start_step)
         saves = SaveCheckpoint(cfg.checkpoint, checkpoints=checkpoints, batches=batches)
         evaluations = _evaluation_hooks(setup, shardings)
@@ -127,6 +129,7 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
                 batch = next(batches)  # read and sent while the previous step ran
                 hooks.before_step(step, state)
                 state, metrics = train_step(state, batch)
+                batches.follow(state)
                 writer.dispatched(step, metrics["loss"])
                 is_last = step == training.steps
                 if not is_last:
@@ -177,9 +180,21 @@ def _open_checkpoints(
     return checkpoints
 
 
-def _batch_iterator(setup: Setup, batch_sharding: NamedSharding) -> DeviceBatches:
+def _batch_iterator(setup: Setup, batch_sharding: NamedSharding) -> BatchSource:
     """The train batches, as device arrays one step ahead: this process reads only its rows of
-    each global batch."""
+    each global batch; or a policy-gradient run's sampled completions (data=prompts)."""
+    if setup.rollouts is not None:
+        rollouts, cfg = setup.rollouts, setup.cfg
+        return RolloutBatches(
+            setup.model,
+            rollouts.prompts,
+            rollouts.rewards,
+            rollouts.tokenizer,
+            cfg.objective,
+            seed=cfg.training.seed,
+            sharding=batch_sharding,
+            global_shape=setup.batch_shape,
+        )
     rows = process_rows(batch_sharding, setup.batch_shape, axis=1)
     log.info("this process reads rows %d:%d of each micro-batch", rows.start, rows.stop)
     host_batches = BatchIterator(
@@ -198,7 +213,7 @@ def _initial_state(
     checkpoints: RunCheckpoints,
     tx: optax.GradientTransformation,
     shardings: TrainState,
-    batches: DeviceBatches,
+    batches: BatchSource,
 ) -> tuple[TrainState, int]:
     """The resumed state and its step (the data moved there), or a fresh state at step 0."""
     cfg, model, run_checkpoints = setup.cfg, setup.model, checkpoints.directory
@@ -258,7 +273,7 @@ def _metrics_hooks(
     checkpoints: RunCheckpoints,
     clock: StepClock,
     meter: ThroughputMeter,
-    batches: DeviceBatches,
+    batches: BatchSource,
 ) -> list[Hook]:
     """The step's metrics, read wherever a record is written (the run's first step, every
     training.log_every steps, the last, a stop, and every evaluation), then the non-finite guard

@@ -34,6 +34,7 @@ from meshtrain.observe.progress import phase
 from meshtrain.parallel.context import ContextLayout, sequence_axes, sequence_shards
 from meshtrain.parallel.mesh import MeshSpec, build_mesh, parse_mesh_shape
 from meshtrain.parallel.rules import mesh_axes_for
+from meshtrain.rl.setup import RolloutData, rollout_data
 from meshtrain.train.documents import TokenFormat, token_format
 from meshtrain.train.objectives import OBJECTIVES, Objective, StepInputs, build_objective
 from meshtrain.train.pipeline_plan import PipelinePlan, pipeline_plan
@@ -51,10 +52,11 @@ class Setup:
     mesh: Mesh
     model: AbstractModel
     micro_batch_size: int
-    train_data: TokenDataset | None  # None in a dry run, which reads no data
+    train_data: TokenDataset | None  # None in a dry run, which reads no data, and for prompts
     validation_data: TokenDataset | None
     token_format: TokenFormat  # how the step reads a batch (targets with loss, documents)
     pipeline: PipelinePlan | None = None  # the pp stages' schedule (train.pipeline)
+    rollouts: RolloutData | None = None  # data=prompts: what each step samples and scores
 
     @property
     def objective(self) -> Objective:
@@ -84,9 +86,11 @@ class Setup:
 
     @property
     def batch_shape(self) -> tuple[int, int, int]:
-        """The train step's batch: [accumulation steps, micro_global, seq_len + 1]."""
+        """The train step's batch: [accumulation steps, micro_global, seq_len + 1 + the
+        objective's extra columns]."""
         accum = self.cfg.training.gradient_accumulation_steps
-        return (accum, self.micro_global, self.cfg.data.seq_len + 1)
+        columns = self.cfg.data.seq_len + 1 + self.objective.extra_columns
+        return (accum, self.micro_global, columns)
 
     @property
     def flops_per_step(self) -> int:
@@ -133,8 +137,13 @@ def prepare(
         reading = token_format(cfg.data)
     except ValueError as err:
         raise _data_error(err) from None
+    setup = Setup(cfg, mesh_spec, mesh, model, micro, None, None, reading, pipeline)
     if not with_data:
-        return Setup(cfg, mesh_spec, mesh, model, micro, None, None, reading, pipeline)
+        return setup
+    if cfg.data.source == "prompts":
+        with phase(log, "reading the prompts", "read the prompts"):
+            setup.rollouts = rollout_data(cfg, setup.global_batch)
+        return setup
     if cfg.eval.harness.tasks:  # an unknown task: one line before anything compiles
         from meshtrain.harness.run import task_manager  # lm-eval: an optional extra
 

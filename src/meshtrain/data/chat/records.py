@@ -26,7 +26,8 @@ if TYPE_CHECKING:  # prepare's workers load no config package
     from meshtrain.config.schema import DataConfig
 
 TRAIN_ON = ("assistant", "completion", "all")  # config.schema.TrainOn, without the config
-MARKED_SOURCES = ("chat", "preference")  # the data.source values whose ids carry marks
+# The data.source values whose ids carry marks (prompts: the rows of sampled completions).
+MARKED_SOURCES = ("chat", "preference", "prompts")
 _ENCODERS: dict[str, ChatEncoder] = {}  # one per worker process and options
 
 

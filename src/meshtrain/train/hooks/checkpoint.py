@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from meshtrain.checkpoint import RunCheckpoints
 from meshtrain.config.schema import CheckpointConfig, NonfiniteMode
-from meshtrain.train.batch import DeviceBatches
+from meshtrain.train.batch import BatchSource
 from meshtrain.train.guard import raise_if_nonfinite
 from meshtrain.train.hooks.base import AnyOf, Cadence, StepInfo
 from meshtrain.train.state import split_state
@@ -47,7 +47,7 @@ class SaveCheckpoint:
     after_record = True
 
     def __init__(
-        self, cfg: CheckpointConfig, *, checkpoints: RunCheckpoints, batches: DeviceBatches
+        self, cfg: CheckpointConfig, *, checkpoints: RunCheckpoints, batches: BatchSource
     ) -> None:
         self.cadence = save_cadence(cfg)
         self.checkpoints, self.batches = checkpoints, batches

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import jax
 
 from meshtrain.observe.throughput import ThroughputMeter
-from meshtrain.train.batch import DeviceBatches
+from meshtrain.train.batch import BatchSource
 from meshtrain.train.hooks.base import AnyOf, Cadence, StepInfo
 
 # The step's metrics in the order they are logged (nonfinite_skips only with nonfinite=skip);
@@ -49,7 +49,7 @@ class StepMetrics:
         clock: StepClock,
         meter: ThroughputMeter,
         tokens_per_step: int,
-        batches: DeviceBatches,
+        batches: BatchSource,
         objective_metrics: tuple[str, ...] = (),
     ) -> None:
         self.cadence, self.clock, self.meter = cadence, clock, meter
@@ -62,8 +62,5 @@ class StepMetrics:
         values["step_time_s"] = self.clock.per_step(info.step)
         values["tokens_per_sec"] = self.tokens_per_step / values["step_time_s"]
         values.update(self.meter.metrics(values["step_time_s"]))
-        # data_share/<source>: each mixture source's share of the sequences of steps 1..step,
-        # as drawn (the steps before a resume included).
-        shares = self.batches.shares(info.step).items()
-        values.update({f"data_share/{name}": share for name, share in shares})
+        values.update(self.batches.logged(info.step))  # mixture shares, rollout metrics
         return values

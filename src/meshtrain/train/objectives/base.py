@@ -77,6 +77,7 @@ class Objective(ABC):
     perplexity: ClassVar[bool] = False  # its loss is a mean next-token loss (val_perplexity)
     reads_reference: bool = False  # reads a frozen reference model (train.state's `frozen`)
     metric_names: ClassVar[tuple[str, ...]] = ()  # its own metrics, in the order they are logged
+    extra_columns: ClassVar[int] = 0  # int32 columns its rows hold after the tokens
 
     def __init__(self, inputs: StepInputs, cfg: ObjectiveConfig | None = None) -> None:
         self.inputs, self.cfg = inputs, cfg or ObjectiveConfig()

@@ -1,10 +1,8 @@
 """Group-relative policy optimisation on scored completions (objective=grpo; docs/rl.md), with
 trl's GRPOTrainer's definitions and metric names.
 
-A batch row holds one completion: its prompt's tokens (not trained), the completion's (trained,
-up to and with the stop token), padding; then one more column, the completion's advantage
-(meshtrain.rl.advantages.group_advantages), its float32 bits in an int32 (`with_advantages`), so that the row
-travels through the step's splits (accumulation, dp grouping) like any other. Per completion
+A batch row holds one sampled completion after its prompt, and the completion's advantage in
+its last column (meshtrain.rl.rows; the advantages: meshtrain.rl.advantages). Per completion
 token t, with log p_t its log-probability under the policy, old_t under the policy that sampled
 it and ref_t under the reference, A the completion's advantage, ε = objective.epsilon,
 ε_h = objective.epsilon_high (default ε), β = objective.beta:
@@ -35,23 +33,12 @@ import jax.numpy as jnp
 from meshtrain.config.objective import ObjectiveConfig, reads_reference
 from meshtrain.models.abstract import AbstractModel
 from meshtrain.models.lora import AdapterDropout
+from meshtrain.rl.rows import split_advantages
 from meshtrain.train.gradients import Sums
 from meshtrain.train.objectives.base import Objective, StepInputs
 from meshtrain.train.objectives.token_scores import policy_scores, reference_log_probs
 
 CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-
-
-def with_advantages(tokens: jax.Array, advantages: jax.Array) -> jax.Array:
-    """Rows of tokens int32 [B, L] and advantages fp32 [B] → int32 [B, L + 1], the advantage's
-    bits last (numpy arrays or jax)."""
-    bits = jax.lax.bitcast_convert_type(jnp.asarray(advantages, jnp.float32), jnp.int32)
-    return jnp.concatenate([jnp.asarray(tokens, jnp.int32), bits[:, None]], axis=1)
-
-
-def split_advantages(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """with_advantages' rows → (tokens int32 [B, L], advantages fp32 [B])."""
-    return rows[:, :-1], jax.lax.bitcast_convert_type(rows[:, -1], jnp.float32)
 
 
 def token_losses(
@@ -102,6 +89,7 @@ class GroupRelative(Objective):
     """objective=grpo: see the module docstring."""
 
     name = "grpo"
+    extra_columns = 1  # the advantage (meshtrain.rl.rows)
 
     def __init__(self, inputs: StepInputs, cfg: ObjectiveConfig) -> None:
         super().__init__(inputs, cfg)

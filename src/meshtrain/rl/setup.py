@@ -1,0 +1,66 @@
+"""A policy-gradient run's start-up (data=prompts): the prompts read and encoded, the reward
+functions loaded, and the one-line checks of the run's shapes against them, before anything
+compiles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+
+from meshtrain.config.schema import Config
+from meshtrain.data.tokenizer import Tokenizer
+from meshtrain.errors import ConfigError, require
+from meshtrain.rl.prompts import PromptSet, read_prompts
+from meshtrain.rl.rewards import Rewards
+
+
+@dataclass(frozen=True)
+class RolloutData:
+    prompts: PromptSet
+    rewards: Rewards
+    tokenizer: Tokenizer  # data.tokenizer: it encoded the prompts and decodes the completions
+
+
+def rollout_data(cfg: Config, global_batch: int) -> RolloutData:
+    """The prompts and reward functions of `cfg`, whose steps take `global_batch` rows (one
+    completion each)."""
+    objective, data = cfg.objective, cfg.data
+    group = objective.num_generations
+    require(
+        jax.process_count() == 1,
+        f"objective=grpo runs in one process; this run has {jax.process_count()} (use one "
+        "process with all its devices)",
+    )
+    require(
+        global_batch % group == 0,
+        f"training.global_batch_size={global_batch} completions are not whole groups of "
+        f"objective.num_generations={group}; use a multiple of {group}",
+    )
+    require(
+        cfg.training.epochs is None,
+        f"training.epochs={cfg.training.epochs} counts passes over documents; with data=prompts "
+        "set training.steps (each step samples from training.global_batch_size / "
+        "objective.num_generations prompts)",
+    )
+    rewards = Rewards(objective.rewards, objective.reward_weights)
+    try:
+        prompts, tokenizer = read_prompts(
+            list(data.paths),
+            tokenizer=data.tokenizer,
+            chat_template=data.chat_template,
+            prompt_key=data.prompt_key,
+            on_bad_record=data.on_bad_record,
+        )
+        prompt_set = PromptSet(prompts, per_step=global_batch // group, seed=cfg.training.seed)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    needed = prompt_set.longest + objective.max_new_tokens
+    require(
+        data.seq_len + 1 >= needed,
+        f"data.seq_len={data.seq_len}: a row holds a prompt and its completion, and the longest "
+        f"prompt has {prompt_set.longest} tokens; with objective.max_new_tokens="
+        f"{objective.max_new_tokens} set data.seq_len={needed - 1} or more (or lower "
+        "objective.max_new_tokens)",
+    )
+    return RolloutData(prompt_set, rewards, tokenizer)

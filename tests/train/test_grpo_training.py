@@ -1,0 +1,189 @@
+"""objective=grpo end to end, in process (meshtrain.rl, train.objectives.policy_gradient): a run
+samples, scores and trains, and logs trl's metrics; the same run on a mesh of 8 devices with
+accumulation samples the same completions and gives the same losses; a resumed run samples and
+trains exactly as the run never stopped; bad settings are one line before anything compiles.
+Learning from the rewards: tests/docs/test_rl_docs.py (slow)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from helpers.config import compose_config
+from helpers.paths import REPO
+from helpers.runs import train_tiny
+
+from meshtrain.config.validate import check_config
+from meshtrain.errors import ConfigError
+from meshtrain.train.setup import prepare
+
+GEMMA = REPO / "tests" / "fixtures" / "chat" / "gemma3"
+PROMPTS = REPO / "examples" / "rl" / "prompts.jsonl"
+# A reward a randomly initialised model scores unevenly: the share of its completion's ids below
+# 256 (about half of a 512-token vocabulary), so that groups have advantages to train on.
+REWARD = "def low_ids(completion_ids, **kwargs):\n    return [sum(i < 256 for i in c) / len(c) for c in completion_ids]\n"
+
+
+def _grpo_overrides(tmp_path) -> tuple[str, ...]:
+    rewards = tmp_path / "low_ids.py"
+    rewards.write_text(REWARD)
+    return (
+        "data=prompts",
+        "objective=grpo",
+        f"data.paths=[{PROMPTS}]",
+        f"data.tokenizer={GEMMA}",
+        "model.vocab_size=512",
+        "model.num_layers=1",
+        "data.seq_len=40",
+        "objective.num_generations=4",
+        "objective.max_new_tokens=12",
+        f"objective.rewards=[{rewards}:low_ids]",
+        "training.global_batch_size=16",
+        "training.learning_rate=1e-2",
+        "training.warmup_steps=1",
+        "training.steps=3",
+        "training.log_every=1",
+        "training.eval_every=0",
+        "checkpoint.every_steps=0",
+    )
+
+
+KEYS = ("loss", "grad_norm", "reward", "reward_std", "completions/mean_length")
+
+
+def test_a_run_samples_scores_and_trains_the_same_on_any_mesh_and_split(tmp_path):
+    run = _grpo_overrides(tmp_path)
+    one = train_tiny(tmp_path / "one", *run, devices=1)
+    split = train_tiny(
+        tmp_path / "split",
+        *run,
+        "model.mesh_shape=[[4,2],[fsdp,tp]]",
+        "training.gradient_accumulation_steps=2",
+        devices=8,
+    )
+    for a, b in zip(one.history, split.history, strict=True):
+        for key in KEYS:
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6)
+    first = one.history[0]
+    assert 0.2 < first["reward"] < 0.8 and first["reward_std"] > 0  # uneven: advantages
+    assert first["loss"] != 0 and first["grad_norm"] > 0
+    assert first["clip_ratio/region_mean"] == 0  # one update per rollout
+    assert first["rewards/low_ids/mean"] == first["reward"]
+    assert 1 <= first["completions/min_length"] <= first["completions/max_length"] <= 12
+    assert 0 <= first["completions/clipped_ratio"] <= 1
+    assert first["rollout/generate_s"] > 0 and first["rollout/tokens_per_sec"] > 0
+    records = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").open()]
+    assert [r["reward"] for r in records] == [h["reward"] for h in one.history]
+
+
+def test_a_resumed_run_samples_and_trains_as_the_run_never_stopped(tmp_path):
+    run = (*_grpo_overrides(tmp_path), "training.lr_schedule=constant", "checkpoint.every_steps=2")
+    whole = train_tiny(tmp_path / "whole", *run, "training.steps=4", devices=1)
+    train_tiny(tmp_path / "halves", *run, "training.steps=2", devices=1)
+    resumed = train_tiny(tmp_path / "halves", *run, "training.steps=4", devices=1)
+    assert [h["step"] for h in resumed.history] == [3, 4]
+    for a, b in zip(whole.history[2:], resumed.history, strict=True):
+        assert [a[k] for k in KEYS] == [b[k] for k in KEYS]  # bit for bit
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ("objective=grpo", "data=chat"),
+            "objective=grpo samples its completions from prompts: set data=prompts "
+            "(data.source='chat')",
+        ),
+        (
+            ("data=prompts",),
+            "data=prompts holds prompts to sample completions from, which objective=lm does "
+            "not do: set objective=grpo",
+        ),
+        (
+            ("objective=grpo", "data=prompts"),
+            "objective.rewards is empty: name at least one reward function, e.g. "
+            "'objective.rewards=[examples/rl/rewards.py:correct_sum]'",
+        ),
+        (
+            (
+                "objective=grpo",
+                "data=prompts",
+                "objective.rewards=[m:f]",
+                "objective.temperature=0",
+            ),
+            "objective.temperature=0.0 must be > 0: greedy completions of one prompt are all "
+            "the same",
+        ),
+        (
+            ("objective=grpo", "data=prompts", "objective.rewards=[m:f]", "objective.beta=0.04"),
+            "objective.beta=0.04 weighs the KL to a reference: set objective.reference=initial "
+            "(or objective.beta=0)",
+        ),
+        (
+            (
+                "objective=grpo",
+                "data=prompts",
+                "objective.rewards=[m:f]",
+                "objective.loss_type=bnpo",
+            ),
+            "objective.loss_type='bnpo' is not a grpo loss; use one of: grpo, dr_grpo, dapo",
+        ),
+        (
+            (
+                "objective=grpo",
+                "data=prompts",
+                "objective.rewards=[m:f]",
+                "objective.num_generations=1",
+            ),
+            "objective.num_generations=1 must be >= 2: advantages compare the completions of "
+            "one prompt",
+        ),
+        (
+            (
+                "objective=grpo",
+                "data=prompts",
+                "objective.rewards=[m:f,n:g]",
+                "objective.reward_weights=[1.0]",
+            ),
+            "objective.reward_weights has 1 weights for 2 reward functions: give one per "
+            "function (or none: all 1)",
+        ),
+    ],
+)
+def test_bad_settings_are_one_line(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        check_config(compose_config(*overrides, "data.paths=[x.jsonl]", f"data.tokenizer={GEMMA}"))
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ("training.global_batch_size=18",),
+            "training.global_batch_size=18 completions are not whole groups of "
+            "objective.num_generations=4; use a multiple of 4",
+        ),
+        (
+            ("data.seq_len=16",),
+            "data.seq_len=16: a row holds a prompt and its completion, and the longest prompt "
+            "has 17 tokens; with objective.max_new_tokens=12 set data.seq_len=28 or more (or "
+            "lower objective.max_new_tokens)",
+        ),
+        (
+            (f"objective.rewards=[{REPO}/examples/rl/rewards.py:nothing]",),
+            f"objective.rewards[0]='{REPO}/examples/rl/rewards.py:nothing': {REPO}/examples/rl/"
+            "rewards.py has no function 'nothing'; give 'module:function' or "
+            "'path/to/file.py:function'",
+        ),
+    ],
+)
+def test_shapes_and_functions_that_cannot_work_are_one_line_before_the_compile(
+    overrides, message, tmp_path
+):
+    cfg = compose_config(*_grpo_overrides(tmp_path), *overrides)
+    with pytest.raises(ConfigError) as error:
+        prepare(cfg, jax.devices()[:1])
+    assert str(error.value).startswith(message)
