@@ -10,7 +10,8 @@ from training.seed and the step, so a resumed run samples the same completions. 
 (meshtrain.rl.rewards) and the advantages (meshtrain.rl.advantages) are computed on the host.
 
 The loop hands the source the state after each step (`follow`) and then reads the next batch
-ahead (`prefetch`, its time counted as data wait): the rollout waits for the step it follows.
+ahead (`prefetch`, its time counted as data wait, within the step's wall time): the rollout
+waits for the step it follows.
 Each step's record gets trl's rollout metrics (`logged`): reward, reward_std,
 frac_reward_zero_std, rewards/<function>/mean and /std, completions/mean_length, /min_length,
 /max_length, /clipped_ratio (the share that reached max_new_tokens unfinished), and the time
