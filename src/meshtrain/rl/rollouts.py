@@ -109,15 +109,11 @@ class RolloutBatches:
             raise RuntimeError("the rollouts follow no policy: call follow(state) first")
         group = self.cfg.num_generations
         prompts = [p for p in self.prompts.for_step(k) for _ in range(group)]
+        stop_ids = sorted({i for p in prompts for i in p.stop_ids})
         start = time.perf_counter()
-        completions = self._sample(prompts, sampling_seed(self.seed, k + 1))
+        completions = self._sample(prompts, stop_ids, sampling_seed(self.seed, k + 1))
         generated = time.perf_counter()
-        finished = np.array(
-            [
-                c.size > 0 and int(c[-1]) in p.stop_ids
-                for p, c in zip(prompts, completions, strict=True)
-            ]
-        )
+        finished = np.array([c.size > 0 and int(c[-1]) in stop_ids for c in completions])
         texts = [
             self.tokenizer.decode(c[:-1] if f else c)
             for c, f in zip(completions, finished, strict=True)
@@ -158,12 +154,11 @@ class RolloutBatches:
         }
         return jax.device_put(rows, self._sharding)
 
-    def _sample(self, prompts: list[Prompt], seed: int) -> list[np.ndarray]:
+    def _sample(self, prompts: list[Prompt], stop_ids: list[int], seed: int) -> list[np.ndarray]:
         """Each prompt's completion, sampled from the followed policy (int32 [≤ max_new_tokens],
-        with its stop token when it stopped)."""
+        with the stop id that ended it, if one did)."""
         state, cfg = self._policy, self.cfg
         net = merge_model(self.model, self.model.full_params(state.params, state.frozen))
-        stop_ids = sorted({i for p in prompts for i in p.stop_ids})
         return generate_ids_batch(
             net,
             [p.ids for p in prompts],

@@ -140,14 +140,14 @@ def prepare(
     setup = Setup(cfg, mesh_spec, mesh, model, micro, None, None, reading, pipeline)
     if not with_data:
         return setup
-    if cfg.data.source == "prompts":
-        with phase(log, "reading the prompts", "read the prompts"):
-            setup.rollouts = rollout_data(cfg, setup.global_batch)
-        return setup
     if cfg.eval.harness.tasks:  # an unknown task: one line before anything compiles
         from meshtrain.harness.run import task_manager  # lm-eval: an optional extra
 
         task_manager(cfg.eval.harness.tasks, cfg.eval.harness.include_path)
+    if cfg.data.source == "prompts":
+        with phase(log, "reading the prompts", "read the prompts"):
+            setup.rollouts = rollout_data(cfg, setup.global_batch)
+        return setup
     with phase(log, f"reading the data ({cfg.data.source})", "read the data"):
         train_data, validation_data = _build_data(cfg)
         if len(train_data) == 0:
