@@ -1,7 +1,8 @@
 """objective=grpo end to end, in process (meshtrain.rl, train.objectives.policy_gradient): a run
 samples, scores and trains, and logs trl's metrics; the same run on a mesh of 8 devices with
 accumulation samples the same completions and gives the same losses; a resumed run samples and
-trains exactly as the run never stopped; bad settings are one line before anything compiles.
+trains exactly as the run never stopped; bad settings are one line before anything compiles; a
+dry run compiles the sampling program too.
 Learning from the rewards: tests/docs/test_rl_docs.py (slow)."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from helpers.runs import train_tiny
 
 from meshtrain.config.validate import check_config
 from meshtrain.errors import ConfigError
+from meshtrain.train.dry_run import dry_run
 from meshtrain.train.setup import prepare
 
 GEMMA = REPO / "tests" / "fixtures" / "chat" / "gemma3"
@@ -187,3 +189,15 @@ def test_shapes_and_functions_that_cannot_work_are_one_line_before_the_compile(
     with pytest.raises(ConfigError) as error:
         prepare(cfg, jax.devices()[:1])
     assert str(error.value).startswith(message)
+
+
+def test_a_dry_run_compiles_the_rollouts_sampling_program_too(tmp_path, capsys):
+    """training.dry_run=true compiles the sampling program beside the step (with plan.target, for
+    GPUs: docs/rl.md), for the step's completions and the longest prompt bucket a row leaves."""
+    cfg = compose_config(
+        *_grpo_overrides(tmp_path), "model.mesh_shape=[[4,2],[fsdp,tp]]", "training.dry_run=true"
+    )
+    dry_run(cfg, tmp_path / "run", devices=jax.devices())
+    report = json.loads((tmp_path / "run" / "compile.json").read_text())
+    assert report["rollout"]["fusions"] > 0 and report["rollout"]["seconds"] > 0
+    assert "compiled the rollouts' sampling program in " in capsys.readouterr().out

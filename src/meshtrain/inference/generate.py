@@ -256,6 +256,37 @@ def generate_ids_batch(
     return out
 
 
+def generation_program(
+    model: Transformer,
+    batch: int,
+    bucket: int,
+    max_new_tokens: int,
+    *,
+    vocab_size: int,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> jax.stages.Lowered:
+    """generate_ids_batch's sampling program for `batch` prompts padded to `bucket`, lowered on
+    abstract inputs (the model's parameters may be ShapeDtypeStructs): what a dry run compiles
+    for a policy-gradient run's rollouts. Run it under the parameters' mesh."""
+    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)  # noqa: E731
+    lowered = _generate_batch.lower(
+        model,
+        jax.ShapeDtypeStruct((batch, bucket), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        jax.ShapeDtypeStruct((2,), jnp.int32),  # eos and an end of turn
+        scalar(jnp.int32),
+        scalar(jnp.float32),
+        scalar(jnp.int32),
+        scalar(jnp.float32),
+        max_new_tokens=max_new_tokens,
+        vocab_size=vocab_size,
+        greedy=False,
+        truncate=top_k > 0 or top_p < 1,
+    )
+    return lowered.lowered  # nnx's wrapper's jax program
+
+
 def generate_ids(
     model: Transformer, prompt_ids: Sequence[int] | np.ndarray, *args: Any, **kwargs: Any
 ) -> np.ndarray:

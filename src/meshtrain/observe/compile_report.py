@@ -48,14 +48,22 @@ class CompileReport:
     attention: str  # "cudnn (auto: NVIDIA H100 80GB HBM3, bfloat16, head_dim 256)"
     init: ProgramCompile
     step: ProgramCompile
+    rollout: ProgramCompile | None = None  # a policy-gradient run's sampling program
 
     def format(self) -> list[str]:
-        return [
+        lines = [
             f"compiled for {self.devices} × {self.device}: initialisation in "
             f"{self.init.seconds:.1f} s ({self.init.fusions} fusions), train step in "
             f"{self.step.seconds:.1f} s ({self.step.fusions} fusions, "
             f"{self.step.cudnn_attention_calls} cuDNN attention calls)",
         ]
+        if self.rollout is not None:
+            lines.append(
+                f"compiled the rollouts' sampling program in {self.rollout.seconds:.1f} s "
+                f"({self.rollout.fusions} fusions, {self.rollout.cudnn_attention_calls} cuDNN "
+                "attention calls)"
+            )
+        return lines
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 
 from meshtrain.config.objective import ObjectiveConfig
 from meshtrain.data.tokenizer import Tokenizer
-from meshtrain.inference.generate import generate_ids_batch
+from meshtrain.inference.generate import generate_ids_batch, generation_program, prompt_bucket
 from meshtrain.models.abstract import AbstractModel, merge_model
 from meshtrain.rl.advantages import group_advantages, nanstd
 from meshtrain.rl.prompts import Prompt, PromptSet
@@ -170,6 +170,25 @@ class RolloutBatches:
             vocab_size=min(self.tokenizer.vocab_size, self.model.config.vocab_size),
             seed=seed,
         )
+
+
+def rollout_program(
+    model: AbstractModel, state: Any, cfg: ObjectiveConfig, *, completions: int, seq_len: int
+) -> jax.stages.Lowered:
+    """The sampling program of a step's `completions` from the train state `state` (abstract:
+    ShapeDtypeStructs with their shardings), its prompts padded to the longest bucket a row of
+    seq_len + 1 tokens leaves them beside objective.max_new_tokens, lowered (the dry run
+    compiles it). Run it under the mesh."""
+    policy = merge_model(model, model.full_params(state.params, state.frozen))
+    return generation_program(
+        policy,
+        completions,
+        prompt_bucket(seq_len + 1 - cfg.max_new_tokens),
+        cfg.max_new_tokens,
+        vocab_size=model.config.vocab_size,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+    )
 
 
 def _completion(prompt: Prompt, text: str) -> Any:

@@ -1,5 +1,5 @@
-"""`training.dry_run=true`: the real initialisation and train step compiled for the mesh, no
-weight allocated; the memory plan logged and written to plan.json, the compile times, fusions
+"""`training.dry_run=true`: the real initialisation and train step (and a policy-gradient run's
+sampling program) compiled for the mesh, no weight allocated; the memory plan logged and written to plan.json, the compile times, fusions
 and attention kernel to compile.json (docs/planning.md). With plan.target, for GPUs this host
 lacks (meshtrain.hardware)."""
 
@@ -27,6 +27,7 @@ from meshtrain.models.initialization import initial_params_programs
 from meshtrain.observe.compile_report import CompileReport, ProgramCompile, measure
 from meshtrain.observe.memory_plan import MemoryPlan
 from meshtrain.observe.metrics import setup_logging
+from meshtrain.rl.rollouts import rollout_program
 from meshtrain.train.compilation import compile_train_step, inspect_compiled
 from meshtrain.train.describe import describe
 from meshtrain.train.optimizer import build_optimizer
@@ -72,6 +73,7 @@ def dry_run(
         plan, _ = inspect_compiled(setup, compiled, tx, shardings, run_dir, is_main)
         # After the step, in a run's order (train.loop).
         init = _compile_initialisation(setup, tx, shardings)
+        rollout = _compile_rollout(setup, tx, shardings) if cfg.data.source == "prompts" else None
         kernel, why = attention_choice(setup.model, cfg.training.mixed_precision)
     report = CompileReport(
         device=cfg.plan.target or setup.mesh.devices.flat[0].device_kind,
@@ -80,6 +82,7 @@ def dry_run(
         attention=f"{kernel} ({why})",
         init=init,
         step=step,
+        rollout=rollout,
     )
     for line in report.format():
         log.info(line)
@@ -109,3 +112,20 @@ def _compile_initialisation(
     ]
     compiled = [program.compile(compiler_options=options) for program in lowered]
     return measure(compiled, time.perf_counter() - start)
+
+
+def _compile_rollout(
+    setup: Setup, tx: optax.GradientTransformation, shardings: TrainState
+) -> ProgramCompile:
+    """Compiles a policy-gradient run's sampling program (meshtrain.rl.rollouts; nothing runs)
+    from the train state's abstract parameters."""
+    state = abstract_train_state(setup.model, tx, shardings)
+    start = time.perf_counter()
+    program = rollout_program(
+        setup.model,
+        state,
+        setup.cfg.objective,
+        completions=setup.global_batch,
+        seq_len=setup.cfg.data.seq_len,
+    )
+    return measure([program.compile()], time.perf_counter() - start)
