@@ -6,7 +6,8 @@ prompts and reward, back to back (docs/performance.md#grpo-against-trl).
 
 The model: benchmark_preference.py's random Qwen 3 (--hidden, --layers) with the Qwen 3 chat
 tokenizer of tests/fixtures/chat/qwen3. The prompts: 256 addition questions with a sentence
-around them, rendered by the chat template. Both sides: --completions completions a step
+around them, rendered by the chat template (meshtrain's rows: data.seq_len + 1 = the longest
+prompt + --new-tokens, the least that fits; trl pads each batch to its longest). Both sides: --completions completions a step
 (--completions / --generations prompts, --generations completions each), sampled at temperature
 1 up to --new-tokens tokens, scored by one reward function (the share of the completion's
 characters that are digits), one update a rollout (trl's num_iterations=1), the dapo loss
@@ -60,6 +61,22 @@ def write_prompts(path: Path) -> None:
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
+def longest_prompt(work: Path) -> int:
+    """The longest prompt in tokens, as meshtrain encodes it (the chat template's generation
+    prompt included): a row holds it and --new-tokens more, data.seq_len + 1 in all."""
+    sys.path.insert(0, str(REPO / "src"))
+    from meshtrain.rl.prompts import read_prompts
+
+    prompts, _ = read_prompts(
+        [str(work / "prompts.jsonl")],
+        tokenizer=str(work / "model"),
+        chat_template=None,
+        prompt_key="prompt",
+        on_bad_record="error",
+    )
+    return max(p.ids.size for p in prompts)
+
+
 def meshtrain_child(args: argparse.Namespace) -> dict:
     """The GRPO run of `python run_training.py` in this process; its timed steps."""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
@@ -83,7 +100,7 @@ def meshtrain_child(args: argparse.Namespace) -> dict:
         f"data.tokenizer={work / 'model'}",
         "data=prompts",
         f"data.paths=[{work / 'prompts.jsonl'}]",
-        f"data.seq_len={96 + args.new_tokens}",  # the prompts: up to 76 tokens
+        f"data.seq_len={args.longest_prompt + args.new_tokens - 1}",  # the least that fits
         "objective=grpo",
         f"objective.num_generations={args.generations}",
         f"objective.max_new_tokens={args.new_tokens}",
@@ -165,7 +182,8 @@ def trl_child(args: argparse.Namespace) -> dict:
 def run_child(side: str, args: argparse.Namespace) -> dict:
     """One side in a child process: its numbers and its peak resident memory."""
     command = [sys.executable, __file__, "--child", side, "--work", args.work]
-    for flag in ("steps", "warmup", "hidden", "layers", "completions", "generations", "new_tokens"):
+    flags = ("steps", "warmup", "hidden", "layers", "completions", "generations", "new_tokens")
+    for flag in (*flags, "longest_prompt"):
         command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     out = Path(args.work) / f"{side}.json"
     child = subprocess.Popen([*command, "--child-out", str(out)], stdout=subprocess.DEVNULL)
@@ -187,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--generations", type=int, default=8, help="completions per prompt")
     parser.add_argument("--new-tokens", type=int, default=32, help="the longest completion")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--longest-prompt", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=["meshtrain", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -199,7 +218,10 @@ def main(argv: list[str] | None = None) -> None:
         args.work = work
         write_model(Path(work) / "model", args.hidden, args.layers)
         write_prompts(Path(work) / "prompts.jsonl")
-        print(f"load average {os.getloadavg()[0]:.2f}")
+        args.longest_prompt = longest_prompt(Path(work))
+        print(
+            f"load average {os.getloadavg()[0]:.2f}; prompts of up to {args.longest_prompt} tokens"
+        )
         row = {side: run_child(side, args) for side in ("meshtrain", "trl")}
         for side in row.values():
             side["generated_tokens_per_s"] = args.completions * side["mean_length"] / side["step_s"]

@@ -173,6 +173,19 @@ def test_prompts_are_padded_to_power_of_two_buckets():
     assert [prompt_bucket(n) for n in (1, 16, 17, 100, 256, 257)] == [16, 16, 32, 128, 256, 512]
 
 
+def test_a_fixed_width_pads_every_prompt_to_it_and_generates_the_same(loaded):
+    """`bucket` (a policy-gradient run's prompts' width) instead of the power of two: the same
+    greedy ids; narrower than the longest prompt is refused."""
+    model, tokenizer = loaded
+    prompts = [tokenizer.encode(PROMPT), tokenizer.encode(PROMPT + " return")]
+    longest = max(len(ids) for ids in prompts)
+    fixed = generate_ids_batch(model, prompts, 8, bucket=longest + 3)
+    for ours, theirs in zip(fixed, generate_ids_batch(model, prompts, 8), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+    with pytest.raises(ValueError, match=rf"^bucket={longest - 1} is shorter than the longest"):
+        generate_ids_batch(model, prompts, 8, bucket=longest - 1)
+
+
 def test_sampling_depends_on_the_seed_only(loaded):
     model, tokenizer = loaded
     first = meshtrain.generate(model, tokenizer, PROMPT, **SAMPLED, seed=1)

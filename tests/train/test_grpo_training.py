@@ -76,6 +76,7 @@ def test_a_run_samples_scores_and_trains_the_same_on_any_mesh_and_split(tmp_path
     assert 1 <= first["completions/min_length"] <= first["completions/max_length"] <= 12
     assert 0 <= first["completions/clipped_ratio"] <= 1
     assert first["rollout/generate_s"] > 0 and first["rollout/tokens_per_sec"] > 0
+    assert one.history[1]["rollout/wait_s"] >= 0  # for step 1's update
     records = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").open()]
     assert [r["reward"] for r in records] == [h["reward"] for h in one.history]
 

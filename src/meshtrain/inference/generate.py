@@ -211,6 +211,7 @@ def generate_ids_batch(
     stop_ids: Iterable[int] = (),
     vocab_size: int | None = None,
     seed: int = 0,
+    bucket: int | None = None,
 ) -> list[np.ndarray]:
     """The ids the model picks after each of `prompts`, decoded together as one batch (rows
     sharded over the batch axes of the parameters' mesh): int32 [at most max_new_tokens] each,
@@ -219,7 +220,9 @@ def generate_ids_batch(
     softmax(logits / temperature), among the top_k most likely (0: all) and the fewest of
     those whose probabilities reach top_p (1: all). Ids from `vocab_size` on (default: the
     model's embedding rows) are never picked. One program per (batch size, prompt bucket,
-    max_new_tokens, sampling kind): the prompts are left-padded to the bucket of the longest."""
+    max_new_tokens, sampling kind): the prompts are left-padded to the bucket of the longest, or
+    to `bucket` (at least the longest prompt), which a caller that knows all its prompts' lengths
+    fixes once (a policy-gradient run's rollouts: one program for the run)."""
     rows = [np.asarray(ids, np.int32).reshape(-1) for ids in prompts]
     if not rows:
         return []
@@ -227,7 +230,11 @@ def generate_ids_batch(
         raise ValueError("a prompt has no tokens to start from")
     if max_new_tokens < 1:
         return [np.zeros(0, np.int32) for _ in rows]
-    bucket = prompt_bucket(max(ids.size for ids in rows))
+    longest = max(ids.size for ids in rows)
+    if bucket is None:
+        bucket = prompt_bucket(longest)
+    elif bucket < longest:
+        raise ValueError(f"bucket={bucket} is shorter than the longest prompt ({longest} tokens)")
     tokens = np.zeros((len(rows), bucket), np.int32)  # [B, bucket], each prompt at the end
     pad = np.array([bucket - ids.size for ids in rows], np.int32)  # [B]
     for row, ids in enumerate(rows):

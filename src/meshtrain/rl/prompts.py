@@ -57,6 +57,12 @@ class PromptSet:
     def longest(self) -> int:
         return max(p.ids.size for p in self.prompts)
 
+    @property
+    def width(self) -> int:
+        """The padded width of every step's prompts: the longest, rounded up to a multiple of 8
+        (one sampling program for the whole run)."""
+        return -(-self.longest // 8) * 8
+
     def for_step(self, k: int) -> list[Prompt]:
         """Iterator step k's prompts (k from 0)."""
         positions = range(k * self.per_step, (k + 1) * self.per_step)

@@ -4,7 +4,8 @@ from the policy as the previous step left it, scored, and laid out as rows (mesh
 Step s takes P prompts (meshtrain.rl.prompts) and samples objective.num_generations (G)
 completions of each: all P·G decode together as one batch on the training mesh
 (meshtrain.inference.generate's batched program: one prefill, then decode steps on the device
-until every row has stopped or objective.max_new_tokens), from the train state's own sharded
+until every row has stopped or objective.max_new_tokens; the prompts always padded to the width
+of the longest, so one program serves the run), from the train state's own sharded
 parameters (with LoRA, the base and its adapters; nothing is copied). The sampling key is derived
 from training.seed and the step, so a resumed run samples the same completions. The rewards
 (meshtrain.rl.rewards) and the advantages (meshtrain.rl.advantages) are computed on the host.
@@ -15,7 +16,8 @@ waits for the step it follows.
 Each step's record gets trl's rollout metrics (`logged`): reward, reward_std,
 frac_reward_zero_std, rewards/<function>/mean and /std, completions/mean_length, /min_length,
 /max_length, /clipped_ratio (the share that reached max_new_tokens unfinished), and the time
-split: rollout/generate_s, rollout/score_s, rollout/tokens_per_sec.
+split: rollout/wait_s (for the previous step's update, which it samples from),
+rollout/generate_s, rollout/score_s, rollout/tokens_per_sec.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from jax.sharding import NamedSharding
 
 from meshtrain.config.objective import ObjectiveConfig
 from meshtrain.data.tokenizer import Tokenizer
-from meshtrain.inference.generate import generate_ids_batch, generation_program, prompt_bucket
+from meshtrain.inference.generate import generate_ids_batch, generation_program
 from meshtrain.models.abstract import AbstractModel, merge_model
 from meshtrain.rl.advantages import group_advantages, nanstd
 from meshtrain.rl.prompts import Prompt, PromptSet
@@ -110,6 +112,8 @@ class RolloutBatches:
         group = self.cfg.num_generations
         prompts = [p for p in self.prompts.for_step(k) for _ in range(group)]
         stop_ids = sorted({i for p in prompts for i in p.stop_ids})
+        waiting = time.perf_counter()
+        jax.block_until_ready(self._policy.params)  # the update this rollout follows
         start = time.perf_counter()
         completions = self._sample(prompts, stop_ids, sampling_seed(self.seed, k + 1))
         generated = time.perf_counter()
@@ -148,6 +152,7 @@ class RolloutBatches:
             "completions/min_length": float(lengths.min()),
             "completions/max_length": float(lengths.max()),
             "completions/clipped_ratio": float(np.mean(~finished)),
+            "rollout/wait_s": start - waiting,
             "rollout/generate_s": generated - start,
             "rollout/score_s": scored - generated,
             "rollout/tokens_per_sec": float(lengths.sum()) / max(generated - start, 1e-9),
@@ -169,6 +174,7 @@ class RolloutBatches:
             stop_ids=stop_ids,
             vocab_size=min(self.tokenizer.vocab_size, self.model.config.vocab_size),
             seed=seed,
+            bucket=self.prompts.width,
         )
 
 
@@ -176,14 +182,14 @@ def rollout_program(
     model: AbstractModel, state: Any, cfg: ObjectiveConfig, *, completions: int, seq_len: int
 ) -> jax.stages.Lowered:
     """The sampling program of a step's `completions` from the train state `state` (abstract:
-    ShapeDtypeStructs with their shardings), its prompts padded to the longest bucket a row of
-    seq_len + 1 tokens leaves them beside objective.max_new_tokens, lowered (the dry run
-    compiles it). Run it under the mesh."""
+    ShapeDtypeStructs with their shardings), its prompts padded to the most a row of seq_len + 1
+    tokens leaves them beside objective.max_new_tokens, lowered (the dry run compiles it, before
+    the prompts are read). Run it under the mesh."""
     policy = merge_model(model, model.full_params(state.params, state.frozen))
     return generation_program(
         policy,
         completions,
-        prompt_bucket(seq_len + 1 - cfg.max_new_tokens),
+        seq_len + 1 - cfg.max_new_tokens,
         cfg.max_new_tokens,
         vocab_size=model.config.vocab_size,
         top_k=cfg.top_k,
