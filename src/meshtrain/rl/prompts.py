@@ -14,6 +14,7 @@ prompts follow from the step alone, so a resumed run reads the same ones.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,7 @@ class PromptSet:
         positions = range(k * self.per_step, (k + 1) * self.per_step)
         return [self.prompts[self._order(q // len(self))[q % len(self)]] for q in positions]
 
+    @functools.lru_cache(maxsize=2)  # noqa: B019 (a run's one PromptSet: a step reads one or two epochs)
     def _order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self))
 
