@@ -30,13 +30,12 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmark_preference import WORDS, write_model
+from benchmark_preference import WORDS, model_overrides, run_in_child, write_model
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = 256
@@ -84,20 +83,9 @@ def meshtrain_child(args: argparse.Namespace) -> dict:
     from meshtrain.config.hydra import compose_config
     from meshtrain.train.loop import train
 
-    work, hidden = Path(args.work), args.hidden
+    work = Path(args.work)
     overrides = [
-        "model=qwen3_0_6b",
-        "model.vocab_size=512",
-        f"model.d_model={hidden}",
-        f"model.num_layers={args.layers}",
-        f"model.num_heads={hidden // 64}",
-        f"model.num_kv_heads={max(1, hidden // 128)}",
-        "model.head_dim=64",
-        f"model.mlp_dim={3 * hidden}",
-        "model.max_seq_len=1024",
-        "model.mesh_shape=[[1,1],[fsdp,tp]]",
-        f"model.init_from=hf:{work / 'model'}",
-        f"data.tokenizer={work / 'model'}",
+        *model_overrides(work, args.hidden, args.layers),
         "data=prompts",
         f"data.paths=[{work / 'prompts.jsonl'}]",
         f"data.seq_len={args.longest_prompt + args.new_tokens - 1}",  # the least that fits
@@ -185,14 +173,7 @@ def run_child(side: str, args: argparse.Namespace) -> dict:
     flags = ("steps", "warmup", "hidden", "layers", "completions", "generations", "new_tokens")
     for flag in (*flags, "longest_prompt"):
         command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    out = Path(args.work) / f"{side}.json"
-    child = subprocess.Popen([*command, "--child-out", str(out)], stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(child.pid, 0)
-    if status != 0:
-        raise SystemExit(f"{side} failed (status {status}): {' '.join(command)}")
-    result = json.loads(out.read_text())
-    result["peak_rss_gib"] = usage.ru_maxrss / 2**20  # KiB on Linux
-    return result
+    return run_in_child(command, Path(args.work) / f"{side}.json")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -90,6 +90,24 @@ def write_model(directory: Path, hidden: int, layers: int) -> None:
         shutil.copy(TOKENIZER / name, directory / name)
 
 
+def model_overrides(work: Path, hidden: int, layers: int) -> list[str]:
+    """meshtrain's overrides for write_model's checkpoint in work/model, on one device."""
+    return [
+        "model=qwen3_0_6b",
+        "model.vocab_size=512",
+        f"model.d_model={hidden}",
+        f"model.num_layers={layers}",
+        f"model.num_heads={hidden // 64}",
+        f"model.num_kv_heads={max(1, hidden // 128)}",
+        "model.head_dim=64",
+        f"model.mlp_dim={3 * hidden}",
+        "model.max_seq_len=1024",
+        "model.mesh_shape=[[1,1],[fsdp,tp]]",
+        f"model.init_from=hf:{work / 'model'}",
+        f"data.tokenizer={work / 'model'}",
+    ]
+
+
 def write_pairs(path: Path) -> None:
     """PAIRS conversational pairs (trl's prompt/chosen/rejected message lists)."""
     rng = random.Random(0)
@@ -116,20 +134,8 @@ def meshtrain_child(args: argparse.Namespace) -> dict:
     from meshtrain.train.loop import train
 
     work = Path(args.work)
-    hidden = args.hidden
     overrides = [
-        "model=qwen3_0_6b",
-        "model.vocab_size=512",
-        f"model.d_model={hidden}",
-        f"model.num_layers={args.layers}",
-        f"model.num_heads={hidden // 64}",
-        f"model.num_kv_heads={max(1, hidden // 128)}",
-        "model.head_dim=64",
-        f"model.mlp_dim={3 * hidden}",
-        "model.max_seq_len=1024",
-        "model.mesh_shape=[[1,1],[fsdp,tp]]",
-        f"model.init_from=hf:{work / 'model'}",
-        f"data.tokenizer={work / 'model'}",
+        *model_overrides(work, args.hidden, args.layers),
         "data=preference",
         f"data.paths=[{work / 'pairs.jsonl'}]",
         f"data.seq_len={args.seq_len}",
@@ -216,11 +222,16 @@ def run_child(side: str, mode: str, args: argparse.Namespace) -> dict:
     command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     command += ["--hidden", str(args.hidden), "--layers", str(args.layers)]
     command += ["--seq-len", str(args.seq_len), "--rows", str(args.rows)]
-    out = Path(args.work) / f"{side}-{mode}.json"
+    return run_in_child(command, Path(args.work) / f"{side}-{mode}.json")
+
+
+def run_in_child(command: list[str], out: Path) -> dict:
+    """Runs `command --child-out OUT`: the json it writes there, with its peak resident memory
+    (os.wait4's ru_maxrss, the child's own)."""
     child = subprocess.Popen([*command, "--child-out", str(out)], stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(child.pid, 0)
     if status != 0:
-        raise SystemExit(f"{side} {mode} failed (status {status}): {' '.join(command)}")
+        raise SystemExit(f"failed (status {status}): {' '.join(command)}")
     result = json.loads(out.read_text())
     result["peak_rss_gib"] = usage.ru_maxrss / 2**20  # KiB on Linux
     return result

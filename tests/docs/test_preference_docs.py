@@ -11,7 +11,7 @@ import json
 import subprocess
 
 import pytest
-from helpers.docs import fenced_blocks
+from helpers.docs import python_lines
 from helpers.paths import REPO
 from helpers.process import subprocess_env
 
@@ -22,11 +22,6 @@ from meshtrain.weights.load import load_model
 DOC = REPO / "docs" / "preference.md"
 DEMO = "/tmp/meshtrain-dpo"
 GEMMA = REPO / "tests" / "fixtures" / "chat" / "gemma3"
-
-
-def commands() -> list[str]:
-    blocks = [b for b in fenced_blocks(DOC.read_text()) if b.lang == "bash"]
-    return [line.strip() for b in blocks for line in b.lines if line.startswith("python ")]
 
 
 def short_share(run_dir) -> float:
@@ -59,7 +54,7 @@ def _run(line: str, cwd) -> str:
 
 @pytest.mark.slow  # 300 SFT steps, 60 DPO and 60 SimPO steps, 180 generations: about 3 minutes
 def test_the_preference_doc_runs_and_the_model_learns_the_preferred_format(tmp_path):
-    lines = commands()
+    lines = python_lines(DOC)
     assert [line.split()[1] for line in lines] == ["run_training.py", "run_training.py", "-m", "-m"]
     for name in ("run_training.py", "configs", "examples", "tests"):
         (tmp_path / name).symlink_to(REPO / name)

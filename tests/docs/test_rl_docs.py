@@ -10,7 +10,7 @@ import json
 import subprocess
 
 import pytest
-from helpers.docs import fenced_blocks
+from helpers.docs import python_lines
 from helpers.paths import REPO
 from helpers.process import subprocess_env
 
@@ -21,11 +21,6 @@ from meshtrain.weights.load import load_model
 DOC = REPO / "docs" / "rl.md"
 DEMO = "/tmp/meshtrain-grpo"
 GEMMA = REPO / "tests" / "fixtures" / "chat" / "gemma3"
-
-
-def commands() -> list[str]:
-    blocks = [b for b in fenced_blocks(DOC.read_text()) if b.lang == "bash"]
-    return [line.strip() for b in blocks for line in b.lines if line.startswith("python ")]
 
 
 def number_alone_share(run_dir) -> float:
@@ -41,7 +36,7 @@ def number_alone_share(run_dir) -> float:
 
 @pytest.mark.slow  # 300 SFT steps, 40 GRPO steps of 32 completions, 60 answers: about 3 minutes
 def test_the_rl_doc_runs_and_the_model_learns_what_the_reward_prefers(tmp_path):
-    lines = commands()
+    lines = python_lines(DOC)
     assert [line.split()[1] for line in lines] == ["run_training.py", "run_training.py", "-m"]
     for name in ("run_training.py", "configs", "examples", "tests"):
         (tmp_path / name).symlink_to(REPO / name)

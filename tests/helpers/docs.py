@@ -70,6 +70,13 @@ def fenced_blocks(text: str) -> list[Block]:
     return blocks
 
 
+def python_lines(doc: Path) -> list[str]:
+    """The `python ...` lines of a doc's bash blocks, in order: a walk-through's commands as a
+    user pastes them (tests/docs/test_preference_docs.py, test_rl_docs.py)."""
+    blocks = [b for b in fenced_blocks(doc.read_text()) if b.lang == "bash"]
+    return [line.strip() for b in blocks for line in b.lines if line.startswith("python ")]
+
+
 def doc_commands(doc: str) -> list[Command]:
     from helpers.doc_outputs import checked_block
 
