@@ -35,11 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmark_preference import WORDS, model_overrides, run_in_child, write_model
+from benchmark_preference import LEARNING_RATE, WORDS, run_in_child, timed_run, write_model
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = 256
-LEARNING_RATE = 1e-5
 REWARD = "digit_share"
 
 
@@ -78,14 +77,11 @@ def longest_prompt(work: Path) -> int:
 
 def meshtrain_child(args: argparse.Namespace) -> dict:
     """The GRPO run of `python run_training.py` in this process; its timed steps."""
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    sys.path.insert(0, str(REPO / "src"))
-    from meshtrain.config.hydra import compose_config
-    from meshtrain.train.loop import train
-
     work = Path(args.work)
-    overrides = [
-        *model_overrides(work, args.hidden, args.layers),
+    result = timed_run(
+        work,
+        args,
+        "grpo",
         "data=prompts",
         f"data.paths=[{work / 'prompts.jsonl'}]",
         f"data.seq_len={args.longest_prompt + args.new_tokens - 1}",  # the least that fits
@@ -94,17 +90,7 @@ def meshtrain_child(args: argparse.Namespace) -> dict:
         f"objective.max_new_tokens={args.new_tokens}",
         f"objective.rewards=[{Path(__file__).resolve()}:{REWARD}]",
         f"training.global_batch_size={args.completions}",
-        f"training.steps={args.warmup + args.steps}",
-        f"training.learning_rate={LEARNING_RATE}",
-        "training.lr_schedule=constant",
-        "training.warmup_steps=0",
-        "training.log_every=1",
-        "training.eval_every=0",
-        "checkpoint.every_steps=0",
-        f"checkpoint.dir={work / 'checkpoints'}",
-        "logging.trackers=[]",
-    ]
-    result = train(compose_config(*overrides), work / "run")
+    )
     timed = [h for h in result.history if h["step"] > args.warmup]
     return {
         "step_s": statistics.median(h["step_time_s"] for h in timed),

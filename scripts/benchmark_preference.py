@@ -90,13 +90,21 @@ def write_model(directory: Path, hidden: int, layers: int) -> None:
         shutil.copy(TOKENIZER / name, directory / name)
 
 
-def model_overrides(work: Path, hidden: int, layers: int) -> list[str]:
-    """meshtrain's overrides for write_model's checkpoint in work/model, on one device."""
-    return [
+def timed_run(work: Path, args: argparse.Namespace, name: str, *task: str):
+    """train() of write_model's checkpoint in work/model, in this process on one device, with
+    `task`'s data and objective overrides: args.warmup + args.steps steps at a constant learning
+    rate, a record each step, nothing saved; its RunResult (the GRPO benchmark runs it too)."""
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    sys.path.insert(0, str(REPO / "src"))
+    from meshtrain.config.hydra import compose_config
+    from meshtrain.train.loop import train
+
+    hidden = args.hidden
+    overrides = [
         "model=qwen3_0_6b",
         "model.vocab_size=512",
         f"model.d_model={hidden}",
-        f"model.num_layers={layers}",
+        f"model.num_layers={args.layers}",
         f"model.num_heads={hidden // 64}",
         f"model.num_kv_heads={max(1, hidden // 128)}",
         "model.head_dim=64",
@@ -105,7 +113,18 @@ def model_overrides(work: Path, hidden: int, layers: int) -> list[str]:
         "model.mesh_shape=[[1,1],[fsdp,tp]]",
         f"model.init_from=hf:{work / 'model'}",
         f"data.tokenizer={work / 'model'}",
+        *task,
+        f"training.steps={args.warmup + args.steps}",
+        f"training.learning_rate={LEARNING_RATE}",
+        "training.lr_schedule=constant",
+        "training.warmup_steps=0",
+        "training.log_every=1",
+        "training.eval_every=0",
+        "checkpoint.every_steps=0",
+        f"checkpoint.dir={work / f'checkpoints-{name}'}",
+        "logging.trackers=[]",
     ]
+    return train(compose_config(*overrides), work / f"run-{name}")
 
 
 def write_pairs(path: Path) -> None:
@@ -128,14 +147,8 @@ def write_pairs(path: Path) -> None:
 
 def meshtrain_child(args: argparse.Namespace) -> dict:
     """The DPO run of `python run_training.py` in this process; its timed steps."""
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    sys.path.insert(0, str(REPO / "src"))
-    from meshtrain.config.hydra import compose_config
-    from meshtrain.train.loop import train
-
     work = Path(args.work)
     overrides = [
-        *model_overrides(work, args.hidden, args.layers),
         "data=preference",
         f"data.paths=[{work / 'pairs.jsonl'}]",
         f"data.seq_len={args.seq_len}",
@@ -143,20 +156,10 @@ def meshtrain_child(args: argparse.Namespace) -> dict:
         "objective=dpo",
         f"objective.beta={BETA}",
         f"training.global_batch_size={args.rows}",
-        f"training.steps={args.warmup + args.steps}",
-        f"training.learning_rate={LEARNING_RATE}",
-        "training.lr_schedule=constant",
-        "training.warmup_steps=0",
-        "training.log_every=1",
-        "training.eval_every=0",
-        "checkpoint.every_steps=0",
-        f"checkpoint.dir={work / f'checkpoints-{args.mode}'}",
-        "logging.trackers=[]",
     ]
     if args.mode == "lora":
         overrides += [f"model.lora.rank={LORA['rank']}", f"model.lora.alpha={LORA['alpha']}"]
-    cfg = compose_config(*overrides)
-    result = train(cfg, work / f"run-{args.mode}")
+    result = timed_run(work, args, args.mode, *overrides)
     data = result.setup.train_data
     times = [h["step_time_s"] for h in result.history if h["step"] > args.warmup]
     pairs_per_row = data.num_documents / len(data)

@@ -3,13 +3,11 @@ is the line meshtrain prints, word for word."""
 
 import json
 import shutil
-import subprocess
 
 import pytest
 from helpers.config import compose_config
-from helpers.docs import fenced_blocks
+from helpers.docs import fenced_blocks, run_walkthrough_line, walkthrough_checkout
 from helpers.paths import REPO
-from helpers.process import subprocess_env
 
 from meshtrain.checkpoint import committed_steps
 from meshtrain.config.validate import check_config
@@ -27,19 +25,10 @@ def runnable_lines() -> list[str]:
 
 @pytest.mark.slow  # about 90 s: 600 + 100 + 60 + 20 steps, 3 generations, 4 exports, a prepare
 def test_finetuning_doc_commands_run_in_order(tmp_path):
-    for name in ("run_training.py", "configs", "examples", "tests"):
-        (tmp_path / name).symlink_to(REPO / name)
+    walkthrough_checkout(tmp_path)
     outputs = []
     for line in runnable_lines():
-        result = subprocess.run(
-            ["bash", "-c", line],
-            cwd=tmp_path,
-            env=subprocess_env(1),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert result.returncode == 0, f"{line}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+        result = run_walkthrough_line(line, tmp_path, timeout=600)
         outputs.append(result.stdout + result.stderr)
     assert len(outputs) == 11
     out = tmp_path / "outputs"

@@ -8,12 +8,10 @@ end-of-turn token loses some likelihood with the rejected answers, which end wit
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-from helpers.docs import python_lines
+from helpers.docs import python_lines, run_walkthrough_line, walkthrough_checkout
 from helpers.paths import REPO
-from helpers.process import subprocess_env
 
 from meshtrain.data.chat.encoder import build_chat_encoder
 from meshtrain.inference.generate import generate_chat
@@ -40,15 +38,7 @@ def short_share(run_dir) -> float:
 
 
 def _run(line: str, cwd) -> str:
-    result = subprocess.run(
-        ["bash", "-c", line],
-        cwd=cwd,
-        env=subprocess_env(1),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, f"{line}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    result = run_walkthrough_line(line, cwd, timeout=900)
     return result.stdout + result.stderr
 
 
@@ -56,8 +46,7 @@ def _run(line: str, cwd) -> str:
 def test_the_preference_doc_runs_and_the_model_learns_the_preferred_format(tmp_path):
     lines = python_lines(DOC)
     assert [line.split()[1] for line in lines] == ["run_training.py", "run_training.py", "-m", "-m"]
-    for name in ("run_training.py", "configs", "examples", "tests"):
-        (tmp_path / name).symlink_to(REPO / name)
+    walkthrough_checkout(tmp_path)
     demo = tmp_path / "demo"
     outputs = []
     for line in lines:

@@ -7,12 +7,10 @@ under 10% after SFT to at least 90% after GRPO."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-from helpers.docs import python_lines
+from helpers.docs import python_lines, run_walkthrough_line, walkthrough_checkout
 from helpers.paths import REPO
-from helpers.process import subprocess_env
 
 from meshtrain.data.chat.encoder import build_chat_encoder
 from meshtrain.inference.generate import answer_chats
@@ -38,21 +36,12 @@ def number_alone_share(run_dir) -> float:
 def test_the_rl_doc_runs_and_the_model_learns_what_the_reward_prefers(tmp_path):
     lines = python_lines(DOC)
     assert [line.split()[1] for line in lines] == ["run_training.py", "run_training.py", "-m"]
-    for name in ("run_training.py", "configs", "examples", "tests"):
-        (tmp_path / name).symlink_to(REPO / name)
+    walkthrough_checkout(tmp_path)
     demo = tmp_path / "demo"
-    outputs = []
-    for line in lines:
-        result = subprocess.run(
-            ["bash", "-c", line.replace(DEMO, str(demo))],
-            cwd=tmp_path,
-            env=subprocess_env(1),
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert result.returncode == 0, f"{line}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
-        outputs.append(result.stdout)
+    outputs = [
+        run_walkthrough_line(line.replace(DEMO, str(demo)), tmp_path, timeout=900).stdout
+        for line in lines
+    ]
     records = [json.loads(line) for line in (demo / "grpo" / "metrics.jsonl").open()]
     first, last = records[0], records[-1]
     assert first["step"] == 1 and last["step"] == 40

@@ -77,6 +77,29 @@ def python_lines(doc: Path) -> list[str]:
     return [line.strip() for b in blocks for line in b.lines if line.startswith("python ")]
 
 
+def walkthrough_checkout(directory: Path) -> Path:
+    """`directory` as a checkout a walk-through's commands run in (run_training.py, configs,
+    examples and tests linked from the repository), so that their outputs land there."""
+    for name in ("run_training.py", "configs", "examples", "tests"):
+        (directory / name).symlink_to(REPO / name)
+    return directory
+
+
+def run_walkthrough_line(line: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess[str]:
+    """One line of a walk-through run by bash in `cwd` on one faked device; it must succeed (the
+    failure shows the line and the ends of its output)."""
+    result = subprocess.run(
+        ["bash", "-c", line],
+        cwd=cwd,
+        env=subprocess_env(1),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, f"{line}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
 def doc_commands(doc: str) -> list[Command]:
     from helpers.doc_outputs import checked_block
 

@@ -54,11 +54,11 @@ class PromptSet:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    @property
+    @functools.cached_property
     def longest(self) -> int:
         return max(p.ids.size for p in self.prompts)
 
-    @property
+    @functools.cached_property
     def width(self) -> int:
         """The padded width of every step's prompts: the longest, rounded up to a multiple of 8
         (one sampling program for the whole run)."""

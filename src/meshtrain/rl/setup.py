@@ -10,7 +10,7 @@ import jax
 
 from meshtrain.config.schema import Config
 from meshtrain.data.tokenizer import Tokenizer
-from meshtrain.errors import ConfigError, require
+from meshtrain.errors import require
 from meshtrain.rl.prompts import PromptSet, read_prompts
 from meshtrain.rl.rewards import Rewards
 
@@ -24,7 +24,8 @@ class RolloutData:
 
 def rollout_data(cfg: Config, global_batch: int) -> RolloutData:
     """The prompts and reward functions of `cfg`, whose steps take `global_batch` rows (one
-    completion each)."""
+    completion each). Raises ConfigError, or a data module's ValueError (a missing file, an
+    unreadable tokenizer) that train.setup turns into one."""
     objective, data = cfg.objective, cfg.data
     group = objective.num_generations
     require(
@@ -44,17 +45,14 @@ def rollout_data(cfg: Config, global_batch: int) -> RolloutData:
         "objective.num_generations prompts)",
     )
     rewards = Rewards(objective.rewards, objective.reward_weights)
-    try:
-        prompts, tokenizer = read_prompts(
-            list(data.paths),
-            tokenizer=data.tokenizer,
-            chat_template=data.chat_template,
-            prompt_key=data.prompt_key,
-            on_bad_record=data.on_bad_record,
-        )
-        prompt_set = PromptSet(prompts, per_step=global_batch // group, seed=cfg.training.seed)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    prompts, tokenizer = read_prompts(
+        list(data.paths),
+        tokenizer=data.tokenizer,
+        chat_template=data.chat_template,
+        prompt_key=data.prompt_key,
+        on_bad_record=data.on_bad_record,
+    )
+    prompt_set = PromptSet(prompts, per_step=global_batch // group, seed=cfg.training.seed)
     needed = prompt_set.longest + objective.max_new_tokens
     require(
         data.seq_len + 1 >= needed,

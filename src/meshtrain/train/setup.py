@@ -146,7 +146,10 @@ def prepare(
         task_manager(cfg.eval.harness.tasks, cfg.eval.harness.include_path)
     if cfg.data.source == "prompts":
         with phase(log, "reading the prompts", "read the prompts"):
-            setup.rollouts = rollout_data(cfg, setup.global_batch)
+            try:
+                setup.rollouts = rollout_data(cfg, setup.global_batch)
+            except ValueError as err:
+                raise _data_error(err) from None
         return setup
     with phase(log, f"reading the data ({cfg.data.source})", "read the data"):
         train_data, validation_data = _build_data(cfg)
