@@ -5,18 +5,19 @@ model (transformers, PyTorch) on the same checkpoint and machine, on the CPU.
     python scripts/benchmark_eval.py [--model tiny --model gemma3_270m] [--requests 64]
         [--prompts 8] [--new-tokens 32] [--hf-batch-size 16] [--json]
 
-The checkpoints are built here, nothing is downloaded: `tiny` is the tests' tiny random Llama
-(tests/helpers/tiny_hf.py: 3 layers, hidden 64, vocabulary 512), `gemma3_270m` transformers'
-Gemma 3 270M (tests/hf_configs/gemma3_270m.json: 18 layers, hidden 640, vocabulary 262,144)
-with random weights (from_config, seed 0, fp32), saved with save_pretrained. Both carry the
-tests' 512-token BPE tokenizer (it starts each text with <bos>); max_length is 2048 for both
-models (Gemma's own 32,768 would only make the hf model's rolling windows longer).
+The checkpoints are built here, nothing is downloaded: `tiny` is a random Llama of the tests'
+logit comparisons' shape (3 layers, hidden 64, vocabulary 512), `gemma3_270m` transformers'
+Gemma 3 270M (tests/hf_configs/gemma3_270m.json: 18 layers, hidden 640, vocabulary 262,144),
+both with random weights (from_config, seed 0, fp32), saved with save_pretrained. Both carry a
+512-token BPE tokenizer trained on the Python standard library that starts each text with <bos>
+(scripts/docs/make_demo_checkpoint.py's); max_length is 2048 for both models (Gemma's own 32,768
+would only make the hf model's rolling windows longer).
 
 - loglikelihood: --requests requests of random token ids, contexts of 32 to 224 tokens and
   continuations of 1 to 8 (the shape of multiple-choice tasks), through each model's
   `_loglikelihood_tokens` (what lm-eval's loglikelihood calls after tokenizing). meshtrain:
   packed batches of 4096 tokens; hf: --hf-batch-size requests per batch, padded.
-- generate_until: --prompts prompts (lines of the tests' tokenizer corpus), --new-tokens tokens
+- generate_until: --prompts prompts (lines of a small Python file), --new-tokens tokens
   each, no stop string (eos only): tokens/s = tokens generated / seconds. meshtrain generates
   one prompt at a time with its key/value cache; hf with --hf-batch-size prompts per batch and
   with 1.
@@ -43,30 +44,52 @@ from types import SimpleNamespace
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # the tests' helpers: tiny checkpoints, tokenizer
+sys.path.insert(0, str(REPO / "scripts" / "docs"))  # make_demo_checkpoint's tokenizer
 
 MAX_LENGTH = 2048
 MODELS = ("tiny", "gemma3_270m")
+VOCAB = 512
+# The Llama of the tests' logit comparisons (3 layers, hidden 64, vocabulary 512).
+TINY_LLAMA = dict(
+    model_type="llama",
+    num_hidden_layers=3,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    rope_theta=500000.0,
+    rope_scaling=dict(
+        rope_type="llama3",
+        factor=32.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=128,
+    ),
+)
 
 
 def write_checkpoint(name: str, directory: Path) -> Path:
-    """The checkpoint `name` with the tests' BPE tokenizer, in `directory`."""
-    from helpers.harness import write_tiny_llama
-
-    write_tiny_llama(directory)  # the tiny Llama's weights, the tokenizer files
-    if name == "tiny":
-        return directory
+    """The checkpoint `name` (random weights, seed 0, fp32) with a 512-token BPE tokenizer that
+    starts each text with <bos>, in `directory`."""
     import torch
+    from make_demo_checkpoint import train_tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    for stale in directory.glob("*.safetensors*"):
-        stale.unlink()
-    spec = json.loads((REPO / "tests" / "hf_configs" / f"{name}.json").read_text())
+    if name == "tiny":
+        spec = dict(TINY_LLAMA)
+    else:
+        spec = json.loads((REPO / "tests" / "hf_configs" / f"{name}.json").read_text())
     spec.update(bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
     config = AutoConfig.for_model(**spec)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(directory)
+    train_tokenizer(directory, VOCAB, bos=True)
     return directory
 
 
@@ -83,9 +106,15 @@ def loglikelihood_requests(count: int, seed: int = 0) -> list[tuple[None, list[i
 
 
 def generation_requests(count: int, new_tokens: int) -> list[SimpleNamespace]:
-    from helpers.tiny_tokenizers import TEXT
-
-    lines = [line for line in TEXT.splitlines() if line.strip()][:count]
+    """`count` lines of a small Python file as prompts, no stop string."""
+    lines = [
+        line
+        for i in range(count)
+        for line in (
+            f"def function_{i}(value):",
+            f"    return value * {i} + len('meshtrain tokenizer test {i}')",
+        )
+    ][:count]
     return [
         SimpleNamespace(args=(line, {"until": [], "max_gen_toks": new_tokens})) for line in lines
     ]

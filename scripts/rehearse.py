@@ -76,11 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     from flax import nnx
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    sys.path.insert(0, str(REPO / "tests"))
-    from helpers.tiny_hf import LOGIT_TOLERANCE, relative_error  # the tests' logit bound
-
     import meshtrain
     from meshtrain.config.hydra import compose_config
+    from meshtrain.hf.parity import LOGIT_TOLERANCE, relative_error  # the tests' logit bound
     from meshtrain.hf.save import export_hf
     from meshtrain.models.abstract import merge_model
     from meshtrain.train.loop import train

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers.guards import (
     Suspect,
     Window,
@@ -136,6 +137,7 @@ def _pytest(directory, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_a_default_session_that_imports_torch_fails(tmp_path):
     (tmp_path / "test_fake.py").write_text(FAKE_TORCH)
     default = _pytest(tmp_path, "test_fake.py")

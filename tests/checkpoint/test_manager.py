@@ -53,6 +53,7 @@ def written(tmp_path_factory):
     return run_dir, result
 
 
+@pytest.mark.slow
 def test_checkpoint_holds_the_state_data_position_and_config(written):
     run_dir, result = written
     directory = run_dir / "checkpoints"
@@ -87,6 +88,7 @@ def test_checkpoint_holds_the_state_data_position_and_config(written):
     [("[[2,4],[fsdp,tp]]", 4, 8), ("[[1,1],[fsdp,tp]]", 8, 1)],
     ids=["2x4-on-8-devices", "1x1-on-1-device"],
 )
+@pytest.mark.slow
 def test_restore_onto_another_mesh_continues_the_loss_curve(written, mesh, micro, devices, run_dir):
     writer_dir, uninterrupted = written
     resumed = train_tiny(
@@ -208,6 +210,7 @@ def test_damaged_checkpoint_is_reported(written, tmp_path, damage, expected):
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.slow
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(written, tmp_path):
     writer_dir, uninterrupted = written
     directory = tmp_path / "checkpoints"

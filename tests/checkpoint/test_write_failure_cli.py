@@ -141,6 +141,7 @@ def test_a_directory_made_read_only_mid_run_stops_in_one_line_and_resumes(
     assert [json.loads(line)["step"] for line in metrics] == [1, 5, 6, 10, 15]  # each once
 
 
+@pytest.mark.slow
 def test_a_synchronous_last_save_into_a_read_only_directory(tmp_path, file_modes_apply):
     run_dir = tmp_path / "run"
     checkpoints = run_dir / "checkpoints"
@@ -162,6 +163,7 @@ def test_a_synchronous_last_save_into_a_read_only_directory(tmp_path, file_modes
     assert committed_steps(checkpoints) == [5]
 
 
+@pytest.mark.slow
 def test_a_failed_deletion_of_an_old_checkpoint_stops_in_one_line(tmp_path, file_modes_apply):
     run_dir = tmp_path / "run"
     checkpoints = run_dir / "checkpoints"

@@ -124,6 +124,7 @@ def _record(run_dir):
     return {p.relative_to(run_dir): p.read_bytes() for p in run_dir.glob(".hydra*/**/*.yaml")}
 
 
+@pytest.mark.slow
 def test_the_run_directorys_record_belongs_to_the_run_that_holds_it(tmp_path):
     run = ("data=synthetic", "data.seq_len=32", "model.num_layers=1", f"hydra.run.dir={tmp_path}")
     first = train_command(*run, "training.steps=2", "checkpoint.every_steps=2", devices=1)
@@ -182,6 +183,7 @@ def test_help_lists_the_config_groups():
     assert "config.py" not in result.stdout.replace("config/schema.py", "")
 
 
+@pytest.mark.slow
 def test_train_from_the_command_line_with_a_quoted_mesh(tmp_path):
     env = subprocess_env(8)
     del env["JAX_PLATFORMS"]  # as a user runs it: JAX probes every backend it knows

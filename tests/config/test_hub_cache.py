@@ -51,6 +51,7 @@ def test_a_snapshot_is_found_by_its_ref_or_alone(tmp_path):
     assert not is_hub_id("tests/fixtures")  # a relative path that exists
 
 
+@pytest.mark.slow
 def test_a_run_starts_from_a_cached_id_and_records_its_snapshot(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     snapshot = _cache(tmp_path / "hub", "meshtrain/tiny-llama")

@@ -38,6 +38,7 @@ def test_existing_paths_become_absolute_and_names_stay(tmp_path, monkeypatch):
     assert compose_config("data.paths=[a]").data.paths == ["a"]  # compared by value on resume
 
 
+@pytest.mark.slow
 def test_a_run_directory_is_read_from_another_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     relative = GEMMA.relative_to(REPO)
@@ -55,6 +56,7 @@ def test_a_run_directory_is_read_from_another_working_directory(tmp_path, monkey
     assert load_tokenizer(tmp_path / "run").vocab_size == load_tokenizer(GEMMA).vocab_size
 
 
+@pytest.mark.slow
 def test_a_moved_project_finds_its_tokenizer_by_its_contents(tmp_path, caplog):
     project = tmp_path / "project"
     (project / "tok").mkdir(parents=True)

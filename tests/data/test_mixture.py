@@ -77,6 +77,7 @@ def test_the_seed_decides_the_order():
     assert draws(1) == draws(1) and draws(1) != draws(2)
 
 
+@pytest.mark.slow
 def test_mixed_dataset_batches_and_logged_shares():
     dataset = MixedDataset(["code", "prose"], [Constant(0, 30), Constant(1, 500)], [0.7, 0.3])
     order = sequence_order(dataset, seed=0)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from helpers.process import subprocess_env
 
 from meshtrain.data.prepare import prepare
@@ -32,6 +33,7 @@ print(json.dumps({"before": before, "after": rss_mib(), "sequences": len(dataset
 """
 
 
+@pytest.mark.slow
 def test_reading_batches_of_a_large_prepared_corpus_keeps_memory_flat(tmp_path):
     # 160 MB of text in 4,000 documents: 320 MB of uint16 tokens on disk.
     rng = np.random.default_rng(0)

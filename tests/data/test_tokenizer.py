@@ -87,6 +87,7 @@ def _corpus(directory):
     return directory
 
 
+@pytest.mark.slow
 def test_training_on_a_tokenizer_json(bpe, tmp_path, run_dir):
     corpus = _corpus(tmp_path / "corpus")
     result = train_tiny(

@@ -50,6 +50,7 @@ def wait_for(path: Path, text: str, process: subprocess.Popen, timeout: float = 
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_saves_and_exits_143(tmp_path):
     process = start(tmp_path)
     wait_for(tmp_path / "metrics.jsonl", '"step": 3,', process)
@@ -81,6 +82,7 @@ def test_a_second_signal_aborts_at_once(tmp_path):
     assert committed_steps(tmp_path / "checkpoints") == []
 
 
+@pytest.mark.slow
 def test_a_signal_during_a_periodic_save_stops_there_without_one_more_checkpoint(
     tmp_path, monkeypatch
 ):

@@ -139,6 +139,7 @@ def slurm_env(task: int, tasks: int, port: int, devices: int = 1) -> dict[str, s
     return env
 
 
+@pytest.mark.slow
 def test_a_process_that_never_arrives_is_named(tmp_path):
     """Process 0 of 2 waits for process 1, which never comes: the roll call names it after
     distributed.timeout_s, with torchrun-style variables and under SLURM (srun's variables)."""

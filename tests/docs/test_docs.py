@@ -31,40 +31,20 @@ from helpers.paths import REPO
 DOCS = ("docs/parallelism.md", "README.md")
 
 
-def is_slow(line: str) -> bool:
-    """Planning Gemma 3 27B at 4096 tokens takes about 17 s on 2 cores; the pure tp and
-    dp examples take 15 to 17 s (tests/train/test_loop.py checks those meshes by default), as
-    do the circular and uneven pipeline examples (tests/train/test_pipeline.py) and the
-    sync_gradients_every example (11 s; tests/train/test_gradients.py), and the multirun
-    example (7 s: two runs); so are the fsdp, hybrid, 1f1b and cp examples whose meshes the
-    training tests check by default (4 to 8 s each, to keep the default suite in 10 minutes)."""
-    planning = "model=gemma3_27b" in line and "data.seq_len=4096" in line
-    slow_meshes = (
-        '[[1,4],["fsdp","tp"]]',
-        '[[2,4],["dp","fsdp"]]',
-        # 4 to 8 s each; tests/train/test_loop.py, test_pipeline.py and
-        # test_context_parallel.py check these meshes by default
-        '[[4,1],["fsdp","tp"]]',
-        "[[4,1],[fsdp,tp]]",
-        '[[8,1],["fsdp","tp"]]',
-        '[[4,2],["fsdp","tp"]]',
-        '[[-1,1],["fsdp","tp"]]',
-        '[[4,2],["cp","fsdp"]]',
-    )
-    slow_keys = (
-        "schedule=1f1b",
-        "schedule=circular",
-        "layers_per_stage=",
-        "sync_gradients_every=",
-        "run_training.py -m ",
-    )
-    return planning or any(m in line for m in (*slow_meshes, *slow_keys))
+def is_slow(command: Command) -> bool:
+    """A command that trains or plans compiles its own programs in a child process (4 to 17 s
+    each on 2 cores): those run in the slow set, and the README's suite keeps the commands that
+    print (--help, --cfg job) or stop with a one-line error. The training tests check the
+    examples' meshes and schedules in process (tests/train/test_loop.py, test_pipeline.py,
+    test_context_parallel.py)."""
+    prints = any(flag in command.line.split() for flag in ("--help", "--cfg"))
+    return not (prints or command.expected_error)
 
 
 COMMANDS = [
     pytest.param(
         command,
-        marks=[pytest.mark.slow] if is_slow(command.line) else [],
+        marks=[pytest.mark.slow] if is_slow(command) else [],
         id=f"{command.doc}:{command.lineno} {command.line}",
     )
     for doc in DOCS

@@ -16,7 +16,7 @@ from helpers.process import subprocess_env
 
 DOC = REPO / "docs" / "models.md"
 DEMO = "/tmp/meshtrain-demo"
-TRAINING_COMMANDS = (ENTRY, "python scripts/finetune_hf.py")
+TRAINING_COMMANDS = (ENTRY, "python examples/finetune_hf.py")
 
 
 def _steps() -> list[tuple[str, str, str | None]]:

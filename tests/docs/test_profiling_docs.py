@@ -13,28 +13,35 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers.docs import check_metrics, describe, doc_commands, parse, run_training_command
+from helpers.docs import (
+    Command,
+    check_metrics,
+    describe,
+    doc_commands,
+    parse,
+    run_training_command,
+)
 
 from meshtrain.observe.trace import find_trace
 
 DOCS = ("docs/profiling.md", "docs/planning.md")
 
 
-def marks(line: str) -> list[pytest.MarkDecorator]:
+def marks(command: Command) -> list[pytest.MarkDecorator]:
     """A large model with its layers unrolled compiles for 3 to 5 minutes on 2 cores: a
-    rehearsal at a published size (`bench`; `python scripts/check_claims.py --all` measures the
+    rehearsal at a published size (`bench`; `python scripts/checks/check_claims.py --all` measures the
     same plans and checks their totals); so is a published model compiled for a GPU target
     (tests/hardware/test_deviceless.py compiles the tiny one so in the slow set). With
-    model.scan_layers=true it takes seconds
-    (tests/observe/test_memory_plan.py plans Gemma 3 27B so). A compile for a GPU target needs
-    the gpu-compile extra, installed for the slow set; tracker lines run in
-    tests/observe/test_trackers.py by default."""
+    model.scan_layers=true it takes seconds (tests/observe/test_memory_plan.py plans Gemma 3 27B
+    so). Every other command that runs compiles in a child process (5 to 19 s each on 2 cores):
+    the slow set, which has the gpu-compile and trackers extras; the README's suite keeps the
+    one-line error examples."""
+    line = command.line
     large = "model=gemma3_27b" in line or "model=llama3_8b" in line
     gpu_compile = "plan.target=" in line and "training.dry_run=true" in line
     if (large and "model.scan_layers=true" not in line) or (gpu_compile and "model=" in line):
         return [pytest.mark.bench]  # a published model compiled for a GPU: 4 minutes on 2 cores
-    trackers = "logging.trackers=" in line
-    return [pytest.mark.slow] if gpu_compile or trackers else []
+    return [] if command.expected_error else [pytest.mark.slow]
 
 
 PLAN_KEYS = {
@@ -46,7 +53,7 @@ PLAN_KEYS = {
     "flops_per_step",
 }
 COMMANDS = [
-    pytest.param(c, marks=marks(c.line), id=f"{c.doc}:{c.lineno}")
+    pytest.param(c, marks=marks(c), id=f"{c.doc}:{c.lineno}")
     for doc in DOCS
     for c in doc_commands(doc)
 ]

@@ -104,12 +104,12 @@ def test_fp32_on_a_gpu_takes_the_chunked_kernel(tmp_path):
 
 @pytest.mark.bench  # a measurement (compile times against budgets): 8 minutes on 2 cores
 def test_the_published_models_compile_for_an_h100_within_budget():
-    """scripts/compile_for.py at W4's settings (bf16, sequence 4096, micro-batch 8, one GPU):
+    """scripts/checks/compile_for.py at W4's settings (bf16, sequence 4096, micro-batch 8, one GPU):
     initialisation within 30 s and step within 90 s on this 2-core machine (3× and more above
     today's), no step with more than 2× llama3_1b's fusions per layer, every plan within the
     H100's memory (docs/performance.md)."""
     done = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "compile_for.py"), "--target", "h100"],
+        [sys.executable, str(REPO / "scripts" / "checks" / "compile_for.py"), "--target", "h100"],
         capture_output=True,
         text=True,
         timeout=900,

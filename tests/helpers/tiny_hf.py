@@ -29,12 +29,12 @@ from helpers.config import compose_config
 from helpers.paths import REPO
 from meshtrain.config import Config
 
+# The bound of every fp32 logit comparison with transformers and its measure (the tests read
+# them here).
+from meshtrain.hf.parity import LOGIT_TOLERANCE, relative_error  # noqa: F401
+
 VOCAB = 512
 SEQ_LEN = 40
-# The bound of every fp32 logit comparison with transformers, relative to the largest logit
-# (relative_error). The measured difference is ~1e-6: fp32 rounding of the same arithmetic done
-# in a different order (einsum vs matmul, fused softmax).
-LOGIT_TOLERANCE = 1e-4
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
 # The tokens of the logit comparisons: [2, SEQ_LEN], longer than Gemma's window.
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, SEQ_LEN))
@@ -176,11 +176,6 @@ def fingerprint(family: str) -> dict:
         "tokens": hashlib.sha256(TOKENS.astype("<i8").tobytes()).hexdigest(),
         "step_one_batch": hashlib.sha256(step_one_batch(cfg).astype("<i8").tobytes()).hexdigest(),
     }
-
-
-def relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:
-    """max |ours - theirs| / max |theirs|."""
-    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
 
 
 def overrides(family: str, directory: Path) -> tuple[str, ...]:

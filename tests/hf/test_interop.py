@@ -122,7 +122,9 @@ def test_init_from_logs_the_tensors_it_read(checkpoints):
     ]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "family", [f if f == "llama" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
+)
 def test_one_training_step_matches_transformers(family, trained):
     result = trained(family)
     theirs = tiny_hf.reference(family)  # on the batch of the run's step 1 (step_one_batch)
@@ -169,6 +171,7 @@ def _shard_count(array) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
+@pytest.mark.slow
 def test_import_into_a_sharded_mesh_reads_and_holds_only_each_devices_shards(
     checkpoints, monkeypatch
 ):

@@ -111,6 +111,7 @@ def test_chat_stops_at_max_new_tokens(bigram, calls, capsys):
     assert calls[0]["new"] == answer_ids[:2]
 
 
+@pytest.mark.slow
 def test_system_message_and_messages_file(bigram, calls, capsys, tmp_path):
     directory, encoder, _ = bigram
     conversation = [
@@ -149,6 +150,7 @@ def test_chat_template_file_replaces_the_tokenizers(bigram, calls, capsys, tmp_p
     )
 
 
+@pytest.mark.slow
 def test_a_prompts_file_answers_each_prompt_in_batches(bigram, calls, capsys, tmp_path):
     """--prompts FILE.jsonl with --chat: a string is the user's message, a list the whole
     conversation; one JSON line per prompt, {"prompt" as given, "completion"}; batches of

@@ -67,6 +67,7 @@ class ShowIds(ByteTokenizer):
         return " ".join(str(int(i)) for i in ids)
 
 
+@pytest.mark.slow
 def test_one_kv_head_on_a_mesh_generates_what_one_device_does():
     """tp=2 ranks share the one key/value head: its projections and cache are replicated."""
     cfg = ModelConfig(num_heads=4, num_kv_heads=1, head_dim=32, init_std=0.2)
@@ -79,6 +80,7 @@ def test_one_kv_head_on_a_mesh_generates_what_one_device_does():
 
 
 @pytest.mark.parametrize("mesh", [None, [[4, 2], ["fsdp", "tp"]]])
+@pytest.mark.slow
 def test_a_batch_of_prompts_generates_what_each_prompt_does_alone(mesh):
     """Prompts of 3 to 20 tokens (two buckets) left-padded into one batch, rows sharded over
     fsdp on the mesh; each row stops at its own stop id and is padded after it."""
@@ -121,6 +123,7 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     return exp / exp.sum()
 
 
+@pytest.mark.slow
 def test_sampling_draws_from_the_softmax_and_top_k_top_p_keep_their_sets():
     """4,096 draws of one token: at temperature 0.5 their counts fit softmax(logits / 0.5)
     (chi-square p > 0.001; softmax(logits) is refused); with top-k 6 or top-p 0.9 every
@@ -173,6 +176,7 @@ def test_prompts_are_padded_to_power_of_two_buckets():
     assert [prompt_bucket(n) for n in (1, 16, 17, 100, 256, 257)] == [16, 16, 32, 128, 256, 512]
 
 
+@pytest.mark.slow
 def test_a_fixed_width_pads_every_prompt_to_it_and_generates_the_same(loaded):
     """`bucket` (a policy-gradient run's prompts' width) instead of the power of two: the same
     greedy ids; narrower than the longest prompt is refused."""

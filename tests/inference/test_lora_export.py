@@ -63,6 +63,7 @@ def _config(root, *extra):
     )
 
 
+@pytest.mark.slow
 def test_the_peft_export_reads_back_bit_for_bit(lora_run):
     saved = named_leaves(read_params(lora_run / "run" / "checkpoints" / "2")[0])
     config = json.loads((lora_run / "adapter" / "adapter_config.json").read_text())
@@ -85,6 +86,7 @@ def test_the_peft_export_reads_back_bit_for_bit(lora_run):
         np.testing.assert_array_equal(loaded[name], value, err_msg=name)
 
 
+@pytest.mark.slow
 def test_a_peft_export_of_qlora_adapters_says_they_fit_the_quantised_base(lora_run):
     assert not (lora_run / "adapter" / "README.md").exists()  # a full-precision base: nothing
     assert quantised_base_note(_config(lora_run).model) is None
@@ -203,6 +205,7 @@ def test_the_merged_export_holds_each_weight_plus_its_adapter(lora_run):
     assert tiny_hf.relative_error(plain, ours) <= 1e-5
 
 
+@pytest.mark.slow
 def test_generation_runs_with_the_adapters_unmerged(lora_run):
     model = meshtrain.load_checkpoint(lora_run / "run")
     merged = load_safetensors_export(lora_run / "merged")

@@ -66,9 +66,9 @@ SEGMENTS = jnp.asarray([[0] * 7 + [1] * 12 + [2] * 5, [3] * 24], jnp.int32)
 # causal attention, 1 for a window); a block of at least the sequence is the xla kernel itself.
 KERNELS = [
     ("xla", None, "cpu"),
-    ("chunked", 5, "cpu"),
+    pytest.param("chunked", 5, "cpu", marks=pytest.mark.slow),
     ("chunked", 8, "cpu"),
-    ("chunked", 5, "gpu"),
+    pytest.param("chunked", 5, "gpu", marks=pytest.mark.slow),  # a GPU-target compile: 23 s
 ]
 A100 = TargetDevice("gpu", "NVIDIA A100-SXM4-80GB", (8, 0))
 MASKS = {
@@ -296,6 +296,7 @@ def test_segment_ids_in_the_model():
     assert not np.allclose(changed[0, :7], logits[0, :7])
 
 
+@pytest.mark.slow
 def test_the_model_gives_the_same_logits_with_every_kernel(monkeypatch):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 259, (2, 40)), jnp.int32)
     xla = Transformer(dataclasses.replace(CFG, attention="xla"), rngs=nnx.Rngs(0))

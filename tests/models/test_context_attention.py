@@ -87,11 +87,11 @@ def _assert_equals_the_oracle(out, grads, q, k, v, *, window, segment_ids):
 
 CASES = [
     # (mesh, kernel, window, segments, kv_heads)
-    ([[2, 4], ["cp", "fsdp"]], "chunked", None, False, 2),
+    pytest.param([[2, 4], ["cp", "fsdp"]], "chunked", None, False, 2, marks=pytest.mark.slow),
     ([[4, 2], ["cp", "fsdp"]], "chunked", 40, True, 1),
     pytest.param([[8], ["cp"]], "chunked", None, True, 1, marks=pytest.mark.slow),  # 12 s
     pytest.param([[8], ["cp"]], "xla", 24, False, 2, marks=pytest.mark.slow),
-    ([[2, 4], ["cp", "fsdp"]], "xla", None, True, 4),
+    pytest.param([[2, 4], ["cp", "fsdp"]], "xla", None, True, 4, marks=pytest.mark.slow),
 ]
 
 
@@ -109,6 +109,7 @@ def test_split_attention_equals_whole_sequence_attention(
 
 
 @pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.slow
 def test_long_sequences_run_in_small_recomputed_blocks(monkeypatch, window):
     """With a score budget that fits 16 queries, the chunks run in looped blocks of 16 whose
     scores are recomputed in the backward pass: the same outputs and gradients."""

@@ -52,7 +52,12 @@ def errors(cached: np.ndarray, full: np.ndarray) -> list[float]:
 
 @pytest.mark.parametrize(
     ("family", "scan_layers"),
-    [("llama", False), ("qwen3", False), ("gemma3", False), ("gemma3", True)],
+    [
+        ("llama", False),
+        pytest.param("qwen3", False, marks=pytest.mark.slow),
+        pytest.param("gemma3", False, marks=pytest.mark.slow),
+        ("gemma3", True),
+    ],
 )
 def test_each_decode_step_equals_the_full_recompute(family, scan_layers, tmp_path):
     directory = tiny_hf.write_checkpoint(family, tmp_path / family)
@@ -66,6 +71,7 @@ def test_each_decode_step_equals_the_full_recompute(family, scan_layers, tmp_pat
 
 
 @pytest.mark.parametrize(("family", "scan_layers"), [("llama", False), ("gemma3", True)])
+@pytest.mark.slow
 def test_left_padded_prompts_of_different_lengths_each_get_their_own_logits(
     family, scan_layers, tmp_path
 ):
@@ -98,7 +104,7 @@ CFG = ModelConfig(num_heads=4, head_dim=32, init_std=0.2)  # the tiny model, 4 q
 MESH = [[4, 2], ["fsdp", "tp"]]
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.parametrize("kv_heads", [pytest.param(2, marks=pytest.mark.slow), 1])
 def test_on_a_mesh_the_cache_is_sharded_like_the_keys_and_values(kv_heads):
     cfg = dataclasses.replace(CFG, num_kv_heads=kv_heads)
     alone = Transformer(cfg, rngs=nnx.Rngs(0))

@@ -89,6 +89,7 @@ def test_a_and_b_are_sharded_like_the_weights_input_and_output():
     assert tuple(mlp["gate_lora_b"].spec) == (None, "tp")
 
 
+@pytest.mark.slow
 def test_fresh_adapters_change_no_base_draw_and_no_logit():
     """B starts at zero and A draws from its own stream: the base holds the very values of the
     same seed without LoRA, and the logits are equal bit for bit."""

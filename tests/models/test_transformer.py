@@ -156,6 +156,7 @@ def plain_loss_and_grads():
     ("remat", "scan_layers"),
     [("full", False), ("minimal", False), ("none", True), ("dots_saveable", True)],
 )
+@pytest.mark.slow
 def test_remat_and_scan_give_the_plain_models_loss_and_gradients(
     remat, scan_layers, plain_loss_and_grads
 ):
@@ -212,6 +213,7 @@ def test_scan_and_remat_train_like_the_plain_model_on_a_sharded_mesh(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_call_on_sharded_parameters_inside_the_callers_own_grad(tmp_path):
     """A model merged inside the caller's `jax.grad` (as a hand-written reference differentiates
     some of its weights) with concrete tokens: the call cannot set the parameters' mesh there

@@ -57,6 +57,7 @@ def total(report, field, *, kinds, axes=("fsdp",), dtype="f32"):
     )
 
 
+@pytest.mark.slow
 def test_fsdp_parameter_all_gather_matches_the_parameter_count(fsdp):
     n = 8
     # Each device gathers the other (N-1)/N of every sharded fp32 weight, once per step.
@@ -70,6 +71,7 @@ def test_fsdp_parameter_all_gather_matches_the_parameter_count(fsdp):
     )
 
 
+@pytest.mark.slow
 def test_bf16_weights_are_cast_before_the_fsdp_all_gather(fsdp, fsdp_bf16):
     """bf16 runs cast each weight on its own shard, so the gather carries bf16: half the bytes.
     XLA's CPU backend widens bf16 collectives to f32, so there the halving shows in the ideal
@@ -84,7 +86,7 @@ def test_bf16_weights_are_cast_before_the_fsdp_all_gather(fsdp, fsdp_bf16):
     assert all(c["payload_dtypes"] == c["dtypes"] for c in fsdp["collectives"])
 
 
-@pytest.mark.parametrize("precision", ["fsdp", "fsdp_bf16"])
+@pytest.mark.parametrize("precision", ["fsdp", pytest.param("fsdp_bf16", marks=pytest.mark.slow)])
 def test_fsdp_gradient_reduction_matches_under_the_compiled_collective(precision, request):
     fsdp = request.getfixturevalue(precision)
     n = 8
@@ -105,6 +107,7 @@ def test_fsdp_gradient_reduction_matches_under_the_compiled_collective(precision
         assert any(c["ideal_kind"] == "reduce-scatter" for c in reduced)
 
 
+@pytest.mark.slow
 def test_accumulation_reduces_gradients_once_per_micro_batch(fsdp, fsdp_accumulating):
     """The gradient reduction sits inside the accumulation scan: twice the bytes for 2 steps."""
     once = total(fsdp, "ring_bytes_per_step", kinds={"all-reduce", "reduce-scatter"})
@@ -127,6 +130,7 @@ def test_plan_collective_bytes_are_the_report_total(fsdp):
     assert fsdp["bytes_per_device_per_step"]["ideal"] < fsdp["bytes_per_device_per_step"]["ring"]
 
 
+@pytest.mark.slow
 def test_hybrid_mesh_axes(hybrid):
     fsdp_size, tp_size = 4, 2
     weights = [

@@ -24,6 +24,7 @@ ADAM_COUNTERS = 2 * 4
     # Pure fsdp is checked with the communication report, in tests/observe/test_communication.py.
     [("[[1,1],[fsdp,tp]]", 8, 1, 1), ("[[4,2],[fsdp,tp]]", 2, 4, 2)],
 )
+@pytest.mark.slow
 def test_param_and_optimizer_bytes_are_analytic(mesh, micro, fsdp, tp, run_dir):
     cfg = compose_config(f"model.mesh_shape={mesh}", f"training.micro_batch_size={micro}")
     plan = dry_run(cfg, run_dir, devices=jax.devices()[: fsdp * tp])
@@ -116,6 +117,7 @@ def test_a_run_logs_one_line_where_no_device_memory_size_is_known():
 # docs/planning.md's error example (tests/docs/test_profiling_docs.py) covers an unknown plan.device.
 
 
+@pytest.mark.slow
 def test_a_large_model_plans_without_its_weights_in_memory(tmp_path):
     """Gemma 3 27B on two nodes of 8 (faked) devices: the real step compiles while the process
     holds a small fraction of the 108 GB of fp32 weights (this machine has 24 GB)."""
@@ -152,6 +154,7 @@ def test_a_large_model_plans_without_its_weights_in_memory(tmp_path):
     assert plan["fits"] is True  # 32.9 GiB of an H100's 71.6 usable, with remat
 
 
+@pytest.mark.slow
 def test_lora_plans_the_frozen_base_at_its_storage_and_what_it_saves(run_dir):
     """On fsdp=4 × tp=2: the adapters and their two moments as trainable state; the nf4 base as
     0.5 byte per projection weight plus an fp32 absmax per block of 16, the embedding and norms

@@ -38,6 +38,7 @@ def profiled_run(tmp_path_factory):
     return run_dir, result
 
 
+@pytest.mark.slow
 def test_trace_holds_the_annotated_window(profiled_run):
     run_dir, _ = profiled_run
     trace = find_trace(run_dir / "profile")
@@ -46,6 +47,7 @@ def test_trace_holds_the_annotated_window(profiled_run):
     assert step_annotations(trace) == [4, 5]
 
 
+@pytest.mark.slow
 def test_measured_collective_share(profiled_run):
     run_dir, result = profiled_run
     report = json.loads((run_dir / "communication.json").read_text())

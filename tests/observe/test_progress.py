@@ -116,7 +116,7 @@ def test_the_bar_redraws_at_its_pace_not_at_every_step():
 
 
 # The bar's documented cost is about 0.7% of one core over the default run (README.md; measured
-# again by scripts/check_claims.py). 5% is well above that and its noise on a quiet machine, and
+# again by scripts/checks/check_claims.py). 5% is well above that and its noise on a quiet machine, and
 # well below what a regression costs. A measurement: a loaded machine can fail it, so it runs
 # with the benchmarks (-m bench), not in the suite.
 CPU_PERCENT_BOUND = 5.0

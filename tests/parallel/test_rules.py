@@ -126,6 +126,7 @@ def test_init_does_not_depend_on_the_mesh(sharded_state):
         )
 
 
+@pytest.mark.slow
 def test_a_batch_the_mesh_does_not_divide_is_not_padded_onto_every_device(tmp_path):
     # One sequence on fsdp=8: constraining its batch dimension over fsdp would pad it to one row
     # per device, each computing the whole sequence (7.1× one device's temporaries, and the

@@ -1,4 +1,4 @@
-"""scripts/check_claims.py, without timing anything: every claim it measures is still stated in
+"""scripts/checks/check_claims.py, without timing anything: every claim it measures is still stated in
 its document, with the number it checks, and README.md states no time it does not measure."""
 
 import importlib.util
@@ -8,7 +8,9 @@ import sys
 import pytest
 from helpers.paths import REPO
 
-spec = importlib.util.spec_from_file_location("check_claims", REPO / "scripts/check_claims.py")
+spec = importlib.util.spec_from_file_location(
+    "check_claims", REPO / "scripts/checks/check_claims.py"
+)
 check_claims = importlib.util.module_from_spec(spec)
 sys.modules["check_claims"] = check_claims  # dataclasses look their module up there
 spec.loader.exec_module(check_claims)
@@ -38,7 +40,9 @@ def _spans(doc: str) -> list[tuple[int, int]]:
 def test_each_claim_is_stated_in_its_document_with_its_number(claim):
     text = " ".join((REPO / claim.doc).read_text().split())
     words = " ".join(claim.words.split())
-    assert words in text, f"{claim.doc} no longer says {words!r}: update scripts/check_claims.py"
+    assert words in text, (
+        f"{claim.doc} no longer says {words!r}: update scripts/checks/check_claims.py"
+    )
     numbers = [float(n) for n in re.findall(r"\d+(?:\.\d+)?", words)]
     ranges = [(float(a) + float(b)) / 2 for a, b in re.findall(r"(\d+) to (\d+)", words)]
     assert claim.claimed in numbers + ranges  # "12 to 15 minutes" is checked against 13.5
@@ -56,7 +60,9 @@ def test_readme_states_no_number_the_script_does_not_measure(pattern):
         for m in pattern.finditer(text)
         if not any(start <= m.start() and m.end() <= end for start, end in spans)
     ]
-    assert unmeasured == [], "numbers in README.md without a claim in scripts/check_claims.py"
+    assert unmeasured == [], (
+        "numbers in README.md without a claim in scripts/checks/check_claims.py"
+    )
 
 
 def test_a_claim_holds_within_a_factor_of_one_and_a_half():
@@ -88,10 +94,10 @@ def test_ci_runs_it_as_a_report_and_the_readme_says_so():
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     calls = [line for line in ci if "check_claims.py" in line and not line.startswith("#")]
     # no --strict: machine noise fails nothing
-    assert calls == ['phase "documented claims" python scripts/check_claims.py']
+    assert calls == ['phase "documented claims" python scripts/checks/check_claims.py']
     readme = " ".join((REPO / "README.md").read_text().split())
     assert (
-        "`python scripts/check_claims.py` without `--strict`: a report of the documented times "
+        "`python scripts/checks/check_claims.py` without `--strict`: a report of the documented times "
         "measured again, next to the claims, which fails nothing"
     ) in readme
 
@@ -99,8 +105,8 @@ def test_ci_runs_it_as_a_report_and_the_readme_says_so():
 def test_the_suite_claim_is_the_readme_test_command():
     (wall,) = [claim for claim in check_claims.CLAIMS if claim.measure == "suite_min"]
     (cpu,) = [claim for claim in check_claims.CLAIMS if claim.measure == "suite_cpu_min"]
-    assert (wall.doc, wall.claimed, wall.unit, wall.group) == ("README.md", 14, "min", "suite")
-    assert (cpu.doc, cpu.claimed, cpu.unit, cpu.group) == ("README.md", 26, "cpu min", "suite")
+    assert (wall.doc, wall.claimed, wall.unit, wall.group) == ("README.md", 5, "min", "suite")
+    assert (cpu.doc, cpu.claimed, cpu.unit, cpu.group) == ("README.md", 9, "cpu min", "suite")
     readme = " ".join((REPO / "README.md").read_text().split())
     assert (
         "`python -m pytest -q -n 2` runs the default suite on 8 faked CPU devices (set up in "

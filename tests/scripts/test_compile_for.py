@@ -1,4 +1,4 @@
-"""scripts/compile_for.py's gates, on recorded results (the compiles themselves are the slow test
+"""scripts/checks/compile_for.py's gates, on recorded results (the compiles themselves are the slow test
 in tests/hardware/test_deviceless.py): the step's fusions per layer against llama3_1b's, the same
 on every machine, rather than its compile time per layer, which the machine's load moves."""
 
@@ -8,7 +8,7 @@ import sys
 
 from helpers.paths import REPO
 
-spec = importlib.util.spec_from_file_location("compile_for", REPO / "scripts/compile_for.py")
+spec = importlib.util.spec_from_file_location("compile_for", REPO / "scripts/checks/compile_for.py")
 compile_for = importlib.util.module_from_spec(spec)
 sys.modules["compile_for"] = compile_for
 spec.loader.exec_module(compile_for)

@@ -103,6 +103,7 @@ def one_device(uneven_chats, tmp_path_factory):
 
 
 @pytest.mark.parametrize(("mesh", "micro", "devices", "extra"), SPLITS)
+@pytest.mark.slow
 def test_the_loss_and_gradients_do_not_depend_on_the_split(
     uneven_chats, one_device, tmp_path, mesh, micro, devices, extra
 ):

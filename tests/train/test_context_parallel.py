@@ -90,6 +90,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("family", "data", "mesh"), CASES)
+@pytest.mark.slow
 def test_the_loss_and_every_gradient_are_one_devices(one_device, family, data, mesh):
     loss, grads = _loss_and_grads(family, data, mesh, 8)
     want_loss, want_grads = one_device(family, data)

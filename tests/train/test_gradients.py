@@ -76,7 +76,7 @@ def every(tmp_path_factory):
     }
 
 
-# slow: the three runs of `every` take 15 s, kept out of the default suite's 10 minutes (CI runs
+# slow: the three runs of `every` take 15 s, kept out of the README suite's 5 minutes (CI runs
 # the slow set too)
 @pytest.mark.slow
 def test_sync_gradients_every_divides_the_fsdp_reductions(every, one_device):
@@ -101,7 +101,7 @@ def test_the_plan_shows_the_unsharded_gradient_buffer(every, tmp_path):
     assert 4 * PARAMS / 2 < plan["unsharded_grad_bytes"] < 4 * PARAMS / 2 * 1.05
 
 
-# slow: 11 s, kept out of the default suite's 10 minutes (CI runs the slow set too)
+# slow: 11 s, kept out of the README suite's 5 minutes (CI runs the slow set too)
 @pytest.mark.slow
 def test_bf16_reductions_halve_the_bytes(every, tmp_path, one_device):
     """The same reductions (fsdp once per step, dp once) with reduce_dtype=bf16: bf16

@@ -6,6 +6,7 @@ is NaN: a deterministic way to meet a non-finite step.
 
 import jax
 import numpy as np
+import pytest
 from helpers.commands import train_command
 from helpers.runs import train_tiny
 
@@ -16,6 +17,7 @@ BLOW_UP = ("training.learning_rate=1e30", "training.warmup_steps=1", "training.e
 DATA = ("data=synthetic", "data.seq_len=32")
 
 
+@pytest.mark.slow
 def test_nonfinite_stop_names_the_step_and_never_saves_it(tmp_path):
     result = train_command(
         *BLOW_UP,
@@ -42,6 +44,7 @@ def test_nonfinite_stop_names_the_step_and_never_saves_it(tmp_path):
     assert not list((tmp_path / "checkpoints").glob("2*"))
 
 
+@pytest.mark.slow
 def test_nonfinite_skip_drops_the_updates_and_counts_them(run_dir):
     result = train_tiny(
         run_dir,

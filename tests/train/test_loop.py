@@ -24,14 +24,15 @@ FAST = (
 )
 
 # (mesh_shape, micro_batch_size, devices): every mesh trains on the same global batch of 8.
-# The two with more tp than fsdp (9 s) are slow, kept out of the default suite's 10 minutes.
+# The README's suite runs the one-device reference and one mesh with dp, fsdp and tp (15 to 20 s
+# each); the others are slow, kept out of its 5 minutes.
 MESHES = [
     ("[[1,1],[fsdp,tp]]", 8, 1),
-    ("[[8,1],[fsdp,tp]]", 1, 8),
-    ("[[4,2],[fsdp,tp]]", 2, 8),
+    pytest.param("[[8,1],[fsdp,tp]]", 1, 8, marks=pytest.mark.slow),
+    pytest.param("[[4,2],[fsdp,tp]]", 2, 8, marks=pytest.mark.slow),
     pytest.param("[[2,4],[fsdp,tp]]", 4, 8, marks=pytest.mark.slow),
     pytest.param("[[1,8],[fsdp,tp]]", 8, 8, marks=pytest.mark.slow),
-    ("[[-1,2],[fsdp,tp]]", 2, 8),
+    pytest.param("[[-1,2],[fsdp,tp]]", 2, 8, marks=pytest.mark.slow),
     ("[[2,2,2],[dp,fsdp,tp]]", 2, 8),
 ]
 
@@ -71,7 +72,7 @@ def test_same_seed_same_losses_on_every_mesh(mesh_shape, micro, devices, referen
     assert losses[-1] < losses[0]
 
 
-# kv_heads=2 (15 s) in the slow set, to keep the default suite within its 10 minutes.
+# kv_heads=2 (15 s) in the slow set, to keep the README suite within its 5 minutes.
 @pytest.mark.slow  # about 18 s per case on 2 cores
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_more_tp_ranks_than_key_value_heads_give_the_same_losses(kv_heads, tmp_path):
@@ -140,6 +141,7 @@ def _one_step(run_dir, *overrides):
     return train_tiny(run_dir, *ONE_STEP, *overrides)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     # Adam's first update is lr·g/(|g| + eps). With the default eps=1e-8, entries whose gradient
     # is ~1e-8 turn summation-order noise into update noise of up to lr; eps=1e-3 keeps the
@@ -224,6 +226,7 @@ def test_default_run_loss_falls_and_writes_its_files(run_dir):
     assert list(run_dir.glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_the_loop_reads_from_the_devices_only_at_log_steps(run_dir, monkeypatch):
     """The host waits for the devices only where it must: under a transfer guard that refuses
     every implicit device→host copy (float(x), np.asarray(x), ...), ten steps logged every five

@@ -147,6 +147,7 @@ def test_one_lora_step_equals_the_hand_written_reference(tmp_path, mesh, devices
     )
 
 
+@pytest.mark.slow
 def test_the_optimizer_and_the_checkpoints_hold_the_adapters_only(tmp_path):
     # What the state holds does not depend on the mesh: one device (the run of the slow
     # test_one_lora_step_equals_the_hand_written_reference[1x1]).

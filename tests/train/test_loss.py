@@ -95,6 +95,7 @@ def test_bf16_compute():
 
 
 @pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.slow
 def test_the_models_loss_is_the_log_softmax_of_its_logits(tie):
     # One layer: the loss under test sits after the blocks, whatever their number.
     cfg = dataclasses.replace(compose_config().model, tie_embeddings=tie, num_layers=1)

@@ -1,4 +1,4 @@
-"""scripts/sweep_parallelism.py in CI: the sampled combinations of mesh layout, pipeline
+"""scripts/checks/sweep_parallelism.py in CI: the sampled combinations of mesh layout, pipeline
 schedule, global batch, accumulation and remat each give the fsdp-only losses or a one-line
 refusal, and none aborts or hangs (1f1b where pp meets tp included: its hand-overs between
 stages once deadlocked XLA's CPU runtime, docs/parallelism.md)."""
@@ -17,7 +17,7 @@ from helpers.process import subprocess_env
 # equalities it samples from (test_loop.py, test_pipeline.py, 1f1b with tp included).
 @pytest.mark.bench
 def test_every_sampled_combination_matches_or_is_refused_in_one_line():
-    command = [sys.executable, str(REPO / "scripts" / "sweep_parallelism.py")]
+    command = [sys.executable, str(REPO / "scripts" / "checks" / "sweep_parallelism.py")]
     proc = subprocess.run(
         command,
         cwd=REPO,

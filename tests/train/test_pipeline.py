@@ -94,7 +94,7 @@ def _case(mesh, microbatches, schedule, *marks):
     ("mesh", "microbatches", "schedule"),
     [
         # Slow ones (3D: 18 s; circular and [[4,2]]'s gpipe: 10 s) are kept out of the default
-        # suite's 10 minutes; CI runs them, and scripts/sweep_parallelism.py every combination.
+        # suite's 10 minutes; CI runs them, and scripts/checks/sweep_parallelism.py every combination.
         *(_case("[[2,4],[pp,fsdp]]", 2, s) for s in ("gpipe", "1f1b")),
         _case("[[2,4],[pp,fsdp]]", 2, "circular", pytest.mark.slow),
         *(_case("[[2,2,2],[pp,fsdp,tp]]", 2, s, pytest.mark.slow) for s in SCHEDULES),
@@ -102,6 +102,7 @@ def _case(mesh, microbatches, schedule, *marks):
         _case("[[4,2],[pp,fsdp]]", 4, "1f1b"),
     ],
 )
+@pytest.mark.slow
 def test_every_mesh_and_schedule_gives_the_losses_without_pp(
     runs, without_pp, mesh, microbatches, schedule
 ):
@@ -111,7 +112,7 @@ def test_every_mesh_and_schedule_gives_the_losses_without_pp(
     np.testing.assert_allclose(losses, without_pp, rtol=1e-5)
 
 
-@pytest.mark.slow  # 18 s, kept out of the default suite's 10 minutes (CI runs the slow set too)
+@pytest.mark.slow  # 18 s, kept out of the README suite's 5 minutes (CI runs the slow set too)
 def test_1f1b_with_tp_and_rows_split_over_fsdp_compiles_and_matches(tmp_path):
     """Global batch 16 in 4 pipeline micro-batches on [[2,2,2],[pp,fsdp,tp]]: 2 rows per fsdp
     shard in each. The loss inside the pipeline takes the targets' logits by a select, not a
@@ -152,6 +153,7 @@ def test_circular_on_four_stages_gives_the_losses_without_pp(tmp_path):
     ("layers_per_stage", "schedule"),
     [("[3,1]", "gpipe"), pytest.param("[1,3]", "1f1b", marks=pytest.mark.slow)],
 )
+@pytest.mark.slow
 def test_uneven_stages_give_the_losses_without_pp(tmp_path, without_pp, layers_per_stage, schedule):
     result = train_tiny(
         tmp_path,
@@ -206,6 +208,7 @@ def test_gemma_layer_pattern_crosses_stage_boundaries(tmp_path):
         np.testing.assert_allclose(_losses(piped), flat, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_log_the_plan_and_the_communication_report(runs):
     # The default micro-batches (pp = 2) and schedule (gpipe): the run of the gpipe case above.
     tmp_path = runs("[[2,4],[pp,fsdp]]", 2).run_dir
@@ -240,6 +243,7 @@ def _hand_overs(run_dir):
     ]
 
 
+@pytest.mark.slow
 def test_circular_logs_its_bubble_and_measures_it_under_the_profiler(tmp_path, without_pp):
     result = train_tiny(
         tmp_path,
@@ -356,7 +360,7 @@ def _temporaries(schedule):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-# slow: 11 s, kept out of the default suite's 10 minutes (CI runs the slow set too)
+# slow: 11 s, kept out of the README suite's 5 minutes (CI runs the slow set too)
 @pytest.mark.slow
 def test_1f1b_keeps_less_activation_memory_than_gpipe():
     """M=8, S=2, as compiled: gpipe keeps every micro-batch's activations for the backward
@@ -373,6 +377,7 @@ def test_1f1b_keeps_less_activation_memory_than_gpipe():
     ],
     ids=["pp-to-fsdp", "fsdp-to-pp"],
 )
+@pytest.mark.slow
 def test_a_checkpoint_resumes_across_pp_and_non_pp_meshes(tmp_path, runs, writer, reader):
     """The writer is a 3-step run of `runs` (a checkpoint every step); the reader resumes from
     its step 1 with the program the reader's mesh compiled for `runs` already."""

@@ -98,6 +98,7 @@ def _rows(rng):
 
 
 @pytest.mark.parametrize(("loss_type", "beta"), [("grpo", 0.0), ("dapo", 0.04)])
+@pytest.mark.slow
 def test_the_loss_and_gradients_of_rows_are_those_of_each_completion_alone(loss_type, beta):
     policy = tiny_policy()
     params, reference = policy.params, policy.reference

@@ -129,6 +129,7 @@ def _set(config, key, value):
     node[parts[-1]] = value
 
 
+@pytest.mark.slow
 def test_every_key_is_refused_or_allowed_and_logged_or_ignored(caplog):
     cfg = Config()
     cfg.data.mixture = [MixtureSource("a", ["x"], 0.9), MixtureSource("b", ["y"], 0.1)]
@@ -290,6 +291,7 @@ def test_a_data_file_edited_in_place_is_refused_then_accepted_on_purpose(
     assert (tmp_path / "run" / "checkpoints" / "4").is_dir()
 
 
+@pytest.mark.slow
 def test_changing_scan_layers_names_the_key(tmp_path):
     short = ("data=synthetic", *FAST)
     train_tiny(tmp_path, *short, "model.scan_layers=true", "training.steps=1")
@@ -312,6 +314,7 @@ def _drawn_a(dataset_cfg_overrides, state, steps, root, weights):
     return int(np.sum((batches == ord("a")).any(axis=1))), len(batches)
 
 
+@pytest.mark.slow
 def test_mixture_shares_across_a_resume_with_changed_weights(tmp_path, documents):
     # SHORT_TEXT's constant learning rate: training.steps (10, then 20) is no part of the
     # compiled step, and both runs run the one program of FAST.

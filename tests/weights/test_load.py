@@ -34,6 +34,7 @@ def _nnx_params(model):
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
+@pytest.mark.slow
 def test_loads_the_newest_checkpoint_onto_one_device_or_a_mesh(trained):
     run_dir, result = trained
     alone = load_checkpoint(run_dir)

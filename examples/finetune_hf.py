@@ -1,6 +1,6 @@
 """Fine-tunes a local Hugging Face checkpoint and writes the result as a new one.
 
-    python scripts/finetune_hf.py <hf dir> <out dir> model=<its config> [overrides...]
+    python examples/finetune_hf.py <hf dir> <out dir> model=<its config> [overrides...]
 
 Runs what `python run_training.py model.init_from=hf:<hf dir> data.tokenizer=<hf dir> ...` runs
 (logs and metrics in outputs/<experiment.name>/<date>/<time>/), then writes the final weights

@@ -3,7 +3,7 @@ accumulation and remat over 8 faked CPU devices, and checks that each either giv
 of the same run on an fsdp-only mesh (relative 1e-5) or is refused by a one-line config error
 before anything is compiled. No combination may abort, hang or print a C++ stack.
 
-    python scripts/sweep_parallelism.py [--cases N] [--all] [--only TEXT] [--skip TEXT] [--json]
+    python scripts/checks/sweep_parallelism.py [--cases N] [--all] [--only TEXT] [--skip TEXT] [--json]
 
 The product: every layout of 8 devices over 2 or 3 of the axes dp, pp, fsdp, cp, tp (30 meshes) ×
 the schedules that apply (none without pp; gpipe, circular and 1f1b with it) × the global batch
@@ -37,7 +37,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 AXES = ("dp", "pp", "fsdp", "cp", "tp")
 MODEL = (
     "model.num_layers=4",

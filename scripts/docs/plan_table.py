@@ -1,7 +1,7 @@
 """Prints the planner's numbers next to the rules of thumb in docs/planning.md (scaling calculator).
 
-    python scripts/plan_table.py            # tiny model on 1 and 8 faked devices (~1 minute)
-    python scripts/plan_table.py --large    # and the 8B-parameter config on 16 (several minutes)
+    python scripts/docs/plan_table.py            # tiny model on 1 and 8 faked devices (~1 minute)
+    python scripts/docs/plan_table.py --large    # and the 8B-parameter config on 16 (several minutes)
 
 Each row is a dry run (`training.dry_run=true`): the real train step compiled on abstract inputs
 for faked CPU devices. Nothing is trained and no weights are allocated.

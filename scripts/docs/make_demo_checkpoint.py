@@ -5,7 +5,7 @@ A randomly initialised model of the `tiny` config (a Llama-architecture model), 
 standard library. transformers' AutoModelForCausalLM and AutoTokenizer load it like any
 published checkpoint.
 
-    python scripts/make_demo_checkpoint.py /tmp/meshtrain-demo/hf
+    python scripts/docs/make_demo_checkpoint.py /tmp/meshtrain-demo/hf
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from flax import nnx
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from meshtrain.config import ModelConfig
 from meshtrain.data.sources import list_documents
@@ -26,11 +26,17 @@ from meshtrain.models.transformer import Transformer
 SPECIALS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>"}
 
 
-def train_tokenizer(directory: Path, vocab_size: int) -> Path:
-    """A byte-level BPE tokenizer.json (and its tokenizer_config.json) in `directory`."""
+def train_tokenizer(directory: Path, vocab_size: int, *, bos: bool = False) -> Path:
+    """A byte-level BPE tokenizer.json (and its tokenizer_config.json) in `directory`, with
+    <pad>, <bos>, <eos> as ids 0, 1, 2. With `bos` it starts every text with <bos> (a
+    post-processor, as Llama 3's and Gemma's do)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    if bos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", pair="<bos> $A $B:1", special_tokens=[("<bos>", 1)]
+        )
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=list(SPECIALS.values()),

@@ -1,6 +1,6 @@
 """Compile models for a GPU this machine lacks, and check the compiles against budgets.
 
-    python scripts/compile_for.py --target h100 [--model gemma3_1b llama3_1b qwen3_0_6b]
+    python scripts/checks/compile_for.py --target h100 [--model gemma3_1b llama3_1b qwen3_0_6b]
         [--micro-batch 8] [--budget-init 30] [--budget-step 90] [--json] [-- overrides...]
 
 Each model's dry run (`training.dry_run=true plan.target=<target>`, docs/planning.md) runs in a
@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODELS = ("gemma3_1b", "llama3_1b", "qwen3_0_6b")
 W4_SETTINGS = (
     "data=synthetic",

@@ -1,6 +1,6 @@
 """Prints the table of model configs for docs/models.md: architecture and parameter count.
 
-python scripts/model_table.py
+python scripts/docs/model_table.py
 """
 
 from __future__ import annotations
