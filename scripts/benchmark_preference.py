@@ -1,7 +1,8 @@
 """DPO's step against trl's DPOTrainer on the same CPU, model and pairs, back to back
 (docs/performance.md#preference-optimisation-against-trl).
 
-    python scripts/benchmark_preference.py [--modes two-model lora] [--steps 10] [--warmup 3]
+    python scripts/benchmark_preference.py [--modes two-model precomputed lora] [--steps 10]
+        [--warmup 3]
         [--hidden 256] [--layers 4] [--seq-len 255] [--rows 8] [--json OUT]
 
 The model: a Qwen 3 (QK-norm, GQA, SwiGLU, tied embeddings) of --hidden width and --layers
@@ -14,15 +15,17 @@ about one to a row of 256), sigmoid DPO with beta 0.1, AdamW at a
 constant learning rate, fp32 on the CPU, 2 threads.
 
 Modes: two-model (full weights; the reference is a frozen copy of the starting weights: trl's
-ref_model, meshtrain's objective.reference=initial) and lora (rank 16, alpha 32 on q, k, v, o,
-gate, up, down; the reference is the base with the adapters off on both sides). Each side runs
+ref_model, meshtrain's objective.reference=initial), precomputed (the same reference, its
+log-probabilities computed once before the first step: trl's precompute_ref_log_probs=True,
+meshtrain's objective.reference=precomputed; the steps run the policy alone) and lora (rank 16,
+alpha 32 on q, k, v, o, gate, up, down; the reference is the base with the adapters off on both
+sides). Each side runs
 in a child process of its own, so its peak resident memory (os.wait4's ru_maxrss) is its own.
 
 A step's time is the median of the timed steps after the warm-up (meshtrain: its logged
 step_time_s; trl: the time between its callback's step ends). meshtrain packs pairs whole into
 rows of --seq-len + 1 tokens, often more than one to a row; the comparison is therefore in
 pairs per second (and tokens per second: pairs/s × the pairs' mean length), not steps.
-objective.reference=precomputed is not built yet: no row for it.
 """
 
 from __future__ import annotations
@@ -159,6 +162,8 @@ def meshtrain_child(args: argparse.Namespace) -> dict:
     ]
     if args.mode == "lora":
         overrides += [f"model.lora.rank={LORA['rank']}", f"model.lora.alpha={LORA['alpha']}"]
+    if args.mode == "precomputed":
+        overrides += ["objective.reference=precomputed", "data.cache_dir=null"]  # scored here
     result = timed_run(work, args, args.mode, *overrides)
     data = result.setup.train_data
     times = [h["step_time_s"] for h in result.history if h["step"] > args.warmup]
@@ -208,6 +213,7 @@ def trl_child(args: argparse.Namespace) -> dict:
             max_length=args.seq_len + 1,
             dataloader_num_workers=0,
             gradient_checkpointing=False,  # as meshtrain's default (model.remat=none)
+            precompute_ref_log_probs=args.mode == "precomputed",
         ),
         train_dataset=Dataset.from_list(pairs),
         processing_class=AutoTokenizer.from_pretrained(work / "model"),
@@ -269,7 +275,7 @@ def mean_pair_tokens(work: Path, seq_len: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", nargs="+", default=["two-model", "lora"])
+    parser.add_argument("--modes", nargs="+", default=["two-model", "precomputed", "lora"])
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--hidden", type=int, default=256)
@@ -310,6 +316,15 @@ def main(argv: list[str] | None = None) -> None:
                 f"{t['tokens_per_s']:,.0f} tok/s ({t['step_s']:.3f} s/step), peak "
                 f"{t['peak_rss_gib']:.2f} GiB | {row['ratio']:.2f}x"
             )
+        by_mode = {row["mode"]: row for row in results}
+        if {"two-model", "precomputed"} <= set(by_mode):
+            for side in ("meshtrain", "trl"):
+                speedup = (
+                    by_mode["precomputed"][side]["pairs_per_s"]
+                    / by_mode["two-model"][side]["pairs_per_s"]
+                )
+                by_mode["precomputed"][f"{side}_over_two_model"] = speedup
+                print(f"{side}: precomputed reference {speedup:.2f}x the two-model step")
         if args.json:
             args.json.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -55,6 +55,7 @@ def _grpo_overrides(tmp_path) -> tuple[str, ...]:
 KEYS = ("loss", "grad_norm", "reward", "reward_std", "completions/mean_length")
 
 
+@pytest.mark.slow
 def test_a_run_samples_scores_and_trains_the_same_on_any_mesh_and_split(tmp_path):
     run = _grpo_overrides(tmp_path)
     one = train_tiny(tmp_path / "one", *run, devices=1)
@@ -81,6 +82,7 @@ def test_a_run_samples_scores_and_trains_the_same_on_any_mesh_and_split(tmp_path
     assert [r["reward"] for r in records] == [h["reward"] for h in one.history]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_samples_and_trains_as_the_run_never_stopped(tmp_path):
     run = (*_grpo_overrides(tmp_path), "training.lr_schedule=constant", "checkpoint.every_steps=2")
     whole = train_tiny(tmp_path / "whole", *run, "training.steps=4", devices=1)
@@ -123,6 +125,16 @@ def test_a_resumed_run_samples_and_trains_as_the_run_never_stopped(tmp_path):
             ("objective=grpo", "data=prompts", "objective.rewards=[m:f]", "objective.beta=0.04"),
             "objective.beta=0.04 weighs the KL to a reference: set objective.reference=initial "
             "(or objective.beta=0)",
+        ),
+        (
+            (
+                "objective=grpo",
+                "data=prompts",
+                "objective.rewards=[m:f]",
+                "objective.reference=precomputed",
+            ),
+            "objective.reference=precomputed scores fixed pairs before training; grpo's "
+            "completions are sampled as it trains: set objective.reference=initial",
         ),
         (
             (
@@ -192,6 +204,7 @@ def test_shapes_and_functions_that_cannot_work_are_one_line_before_the_compile(
     assert str(error.value).startswith(message)
 
 
+@pytest.mark.slow
 def test_a_dry_run_compiles_the_rollouts_sampling_program_too(tmp_path, capsys):
     """training.dry_run=true compiles the sampling program beside the step (with plan.target, for
     GPUs: docs/rl.md), for the step's completions and the longest prompt bucket a row leaves."""

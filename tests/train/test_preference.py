@@ -16,7 +16,7 @@ import pytest
 from helpers.commands import train_command
 from helpers.config import compose_config
 from helpers.objectives import FLAGGED, tiny_policy
-from helpers.paths import REPO
+from helpers.preference_runs import TOKENIZER, dpo_overrides, pairs_file
 from helpers.process import run_training, subprocess_env
 from helpers.runs import train_tiny
 
@@ -31,8 +31,6 @@ from meshtrain.train.loss import target_log_probs
 from meshtrain.train.objectives import Preference, StepInputs
 from meshtrain.train.objectives.preference import pair_loss
 from meshtrain.train.setup import prepare
-
-TOKENIZER = REPO / "tests" / "fixtures" / "chat" / "qwen3"
 
 
 def _log_sigmoid(x):
@@ -115,6 +113,7 @@ def _packed_rows(rng):
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+@pytest.mark.slow
 def test_packed_pairs_give_the_loss_and_gradients_of_each_sequence_alone(loss_type):
     policy = tiny_policy()
     params, reference = policy.params, policy.reference
@@ -143,51 +142,13 @@ def test_packed_pairs_give_the_loss_and_gradients_of_each_sequence_alone(loss_ty
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=2e-6)
 
 
-def _pairs_file(tmp_path, count=24):
-    rng = np.random.default_rng(0)
-    lines = []
-    for _ in range(count):
-        a, b = rng.integers(1, 50, 2)
-        wrong = a + b + rng.choice([-2, -1, 1, 2])
-        lines.append(
-            {
-                "prompt": [{"role": "user", "content": f"{a}+{b}="}],
-                "chosen": [{"role": "assistant", "content": str(a + b)}],
-                "rejected": [{"role": "assistant", "content": str(wrong)}],
-            }
-        )
-    path = tmp_path / "pairs.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return path
-
-
-def _dpo_overrides(pairs) -> tuple[str, ...]:
-    """A tiny DPO run on `pairs` (3 steps, no checkpoint unless overridden)."""
-    return (
-        "data=preference",
-        "objective=dpo",
-        f"data.paths=[{pairs}]",
-        f"data.tokenizer={TOKENIZER}",
-        "model.vocab_size=512",
-        "model.num_layers=1",
-        "data.seq_len=64",
-        "data.validation_fraction=0",
-        "training.global_batch_size=8",
-        "training.steps=3",
-        "training.log_every=1",
-        "training.warmup_steps=1",
-        "training.eval_every=0",
-        "checkpoint.every_steps=0",
-        "training.adam_eps=1e-3",
-    )
-
-
 def _dpo(tmp_path, pairs, *overrides, devices):
-    return train_tiny(tmp_path, *_dpo_overrides(pairs), *overrides, devices=devices)
+    return train_tiny(tmp_path, *dpo_overrides(pairs), *overrides, devices=devices)
 
 
+@pytest.mark.slow
 def test_the_same_pairs_give_the_same_losses_on_any_mesh_and_split(tmp_path):
-    pairs = _pairs_file(tmp_path)
+    pairs = pairs_file(tmp_path)
     one = _dpo(tmp_path / "one", pairs, devices=1)
     split = _dpo(
         tmp_path / "split",
@@ -227,7 +188,7 @@ def test_the_same_pairs_give_the_same_losses_on_any_mesh_and_split(tmp_path):
 )
 def test_more_meshes_and_splits(mesh, accumulation, global_batch, tmp_path):
     # 4 batch shards (dp × fsdp) × 4 accumulation steps take 16 pairs a step, one per row.
-    pairs = _pairs_file(tmp_path, count=48)
+    pairs = pairs_file(tmp_path, count=48)
     batch = f"training.global_batch_size={global_batch}"
     one = _dpo(tmp_path / "one", pairs, batch, devices=1)
     other = _dpo(
@@ -285,6 +246,10 @@ def test_more_meshes_and_splits(mesh, accumulation, global_batch, tmp_path):
             "objective=dpo reads each pair's answers as documents: set data.document_masking=true",
         ),
         (
+            ("objective=dpo", "data=preference", "objective.reference=frozen"),
+            "objective.reference='frozen' is not supported; use one of: initial, precomputed, none",
+        ),
+        (
             ("objective.name=ppo",),
             "objective.name='ppo' is not supported; use one of: lm, dpo, grpo",
         ),
@@ -317,7 +282,7 @@ def test_meshes_the_objective_cannot_run_on_are_one_line(mesh, message, tmp_path
     cfg = compose_config(
         "objective=dpo",
         "data=preference",
-        f"data.paths=[{_pairs_file(tmp_path)}]",
+        f"data.paths=[{pairs_file(tmp_path)}]",
         f"data.tokenizer={TOKENIZER}",
         "model.vocab_size=512",
         f"model.mesh_shape={mesh}",
@@ -329,12 +294,13 @@ def test_meshes_the_objective_cannot_run_on_are_one_line(mesh, message, tmp_path
     assert str(error.value) == message
 
 
+@pytest.mark.slow
 def test_a_resumed_run_reads_its_reference_again_and_compares_it(tmp_path, capsys):
     """The reference is never checkpointed: a resume reads it again from the starting weights
     (here the first run's step-2 checkpoint, checkpoint.load_params) and compares their identity.
     That the resumed steps are those of the run never stopped, bit for bit: the SIGKILL test
     below (slow)."""
-    pairs = _pairs_file(tmp_path)
+    pairs = pairs_file(tmp_path)
     start = _dpo(
         tmp_path / "start", pairs, "training.steps=2", "checkpoint.every_steps=2", devices=1
     )
@@ -376,8 +342,8 @@ def test_a_sigkilled_dpo_run_resumes_bit_identically(tmp_path):
     log the losses, rewards and log-probabilities of the run that was never stopped, bit for
     bit, and its step-6 checkpoint holds the same values (the reference, never checkpointed, is
     read again from the starting weights)."""
-    pairs = _pairs_file(tmp_path)
-    run = (*_dpo_overrides(pairs), "training.lr_schedule=constant", "checkpoint.every_steps=3")
+    pairs = pairs_file(tmp_path)
+    run = (*dpo_overrides(pairs), "training.lr_schedule=constant", "checkpoint.every_steps=3")
     start = tmp_path / "start"
     result = train_command(*run, "training.steps=2", f"hydra.run.dir={start}", devices=1)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -17,8 +17,8 @@ PolicyLoss = Literal["grpo", "dr_grpo", "dapo"]
 """objective.loss_type of grpo: how the per-token losses are averaged."""
 RewardScaling = Literal["group", "batch", "none"]
 """objective.scale_rewards of grpo."""
-Reference = Literal["initial", "none"]
-"""objective.reference of dpo."""
+Reference = Literal["initial", "precomputed", "none"]
+"""objective.reference of dpo and grpo (precomputed: dpo only)."""
 REFERENCE_FREE: tuple[str, ...] = ("simpo",)
 
 
@@ -37,7 +37,7 @@ class ObjectiveConfig:
     gamma: float = 0.5
     """dpo, simpo: SimPO's target reward margin (trl's simpo_gamma)."""
     reference: str = "initial"  # Reference
-    """dpo, grpo: the model the policy is measured against: initial (a frozen copy of the starting weights; with LoRA, the base with the adapters off) or none (simpo; grpo with beta=0)."""
+    """dpo, grpo: the model the policy is measured against: initial (a frozen copy of the starting weights; with LoRA, the base with the adapters off), precomputed (dpo: that model scores every pair once before training, its log-probabilities are kept beside the data's cache and the step runs the policy alone) or none (simpo; grpo with beta=0)."""
     epsilon: float = 0.2
     """grpo: the clipping range of the policy ratio below 1 (PPO's ε); > 0."""
     epsilon_high: float | None = None
@@ -65,6 +65,12 @@ class ObjectiveConfig:
 def reads_reference(cfg: ObjectiveConfig) -> bool:
     """Whether the objective measures the policy against a reference model."""
     return cfg.name in ("dpo", "grpo") and cfg.reference != "none"
+
+
+def precomputed_reference(cfg: ObjectiveConfig) -> bool:
+    """Whether the reference's log-probabilities are computed once before training and read
+    from the batch (objective.reference=precomputed), not computed in the step."""
+    return reads_reference(cfg) and cfg.reference == "precomputed"
 
 
 def check_objective(cfg: ObjectiveConfig, *, data_source: str, document_masking: bool) -> None:
@@ -147,6 +153,11 @@ def _check_grpo(cfg: ObjectiveConfig, *, data_source: str) -> None:
     )
     require(cfg.beta >= 0, f"objective.beta={cfg.beta} must be >= 0")
     _check_reference(cfg)
+    require(
+        cfg.reference != "precomputed",
+        "objective.reference=precomputed scores fixed pairs before training; grpo's completions "
+        "are sampled as it trains: set objective.reference=initial",
+    )
     if cfg.beta > 0:
         require(
             cfg.reference != "none",

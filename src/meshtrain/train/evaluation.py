@@ -26,7 +26,9 @@ def make_evaluator(
     cfg = setup.cfg
     if setup.validation_data is None:
         return None
-    eval_shape = (setup.micro_global, cfg.data.seq_len + 1)  # [batch, seq_len + 1]
+    seq_len = cfg.data.seq_len
+    # [batch, seq_len + 1 + the objective's extra columns]
+    eval_shape = (setup.micro_global, seq_len + 1 + setup.objective.extra_columns(seq_len))
     eval_sharding = NamedSharding(
         setup.mesh, logical_to_spec(("batch", None), cfg.model.logical_axis_rules)
     )

@@ -10,6 +10,7 @@ import logging
 import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from meshtrain.checkpoint import RunCheckpoints
+from meshtrain.config.objective import precomputed_reference
 from meshtrain.config.run_record import keep_run_record
 from meshtrain.config.schema import Config
 from meshtrain.data import BatchIterator, MixedDataset
@@ -39,6 +41,7 @@ from meshtrain.train.hooks.profiler import Profiler
 from meshtrain.train.hooks.step_metrics import StepClock, StepMetrics
 from meshtrain.train.hooks.validation import ValidationLoss
 from meshtrain.train.optimizer import build_optimizer
+from meshtrain.train.reference_scores import score_datasets
 from meshtrain.train.resume import check_resume, run_meta
 from meshtrain.train.setup import Setup, prepare
 from meshtrain.train.state import (
@@ -95,6 +98,9 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
     ):  # the last write commits before handlers go
         train_step, batch_sharding = compile_train_step(setup, tx, shardings)
         _, communication = inspect_compiled(setup, train_step, tx, shardings, run_dir, is_main)
+        if precomputed_reference(cfg.objective):  # the rows carry the reference's scores
+            reference = partial(_reference_weights, setup, shardings, checkpoints.directory)
+            score_datasets(setup, shardings, reference)
         batches = _batch_iterator(setup, batch_sharding)
         state, start_step = _initial_state(setup, checkpoints, tx, shardings, batches)
         batches.follow(state)  # a policy-gradient run samples from the policy it trains
@@ -237,6 +243,17 @@ def _initial_state(
     with phase(log, "preparing the train state", "prepared the train state"):
         params, rest, start_step = checkpoints.restore_or_init(fresh, batches)
     return join_state(params, rest, frozen), start_step
+
+
+def _reference_weights(setup: Setup, shardings: TrainState, checkpoint_dir_of_run: Path) -> Any:
+    """What objective.reference=precomputed scores the pairs with: the LoRA base (read with the
+    adapters off), else the starting weights."""
+    cfg, model = setup.cfg, setup.model
+    if model.lora:
+        with phase(log, "reading the frozen LoRA base", "read the frozen LoRA base"):
+            return load_frozen_base(cfg, model, checkpoint_dir_of_run=checkpoint_dir_of_run)
+    with phase(log, "reading the reference (the starting weights)", "read the reference"):
+        return _starting_params(cfg, model, shardings, checkpoint_dir_of_run=checkpoint_dir_of_run)
 
 
 def _starting_params(

@@ -89,7 +89,8 @@ class Setup:
         """The train step's batch: [accumulation steps, micro_global, seq_len + 1 + the
         objective's extra columns]."""
         accum = self.cfg.training.gradient_accumulation_steps
-        columns = self.cfg.data.seq_len + 1 + self.objective.extra_columns
+        seq_len = self.cfg.data.seq_len
+        columns = seq_len + 1 + self.objective.extra_columns(seq_len)
         return (accum, self.micro_global, columns)
 
     @property

@@ -77,10 +77,14 @@ class Objective(ABC):
     perplexity: ClassVar[bool] = False  # its loss is a mean next-token loss (val_perplexity)
     reads_reference: bool = False  # reads a frozen reference model (train.state's `frozen`)
     metric_names: ClassVar[tuple[str, ...]] = ()  # its own metrics, in the order they are logged
-    extra_columns: ClassVar[int] = 0  # int32 columns its rows hold after the tokens
 
     def __init__(self, inputs: StepInputs, cfg: ObjectiveConfig | None = None) -> None:
         self.inputs, self.cfg = inputs, cfg or ObjectiveConfig()
+
+    def extra_columns(self, seq_len: int) -> int:
+        """The int32 columns its rows hold after their seq_len + 1 tokens (what the batch
+        carries besides the tokens: an advantage, the reference's log-probabilities)."""
+        return 0
 
     @abstractmethod
     def sums(

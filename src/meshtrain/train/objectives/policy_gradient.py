@@ -89,12 +89,14 @@ class GroupRelative(Objective):
     """objective=grpo: see the module docstring."""
 
     name = "grpo"
-    extra_columns = 1  # the advantage (meshtrain.rl.rows)
 
     def __init__(self, inputs: StepInputs, cfg: ObjectiveConfig) -> None:
         super().__init__(inputs, cfg)
         self.reads_reference = reads_reference(cfg)
         self.metric_names = (*(("kl",) if self.reads_reference else ()), *CLIP_METRICS)
+
+    def extra_columns(self, seq_len: int) -> int:
+        return 1  # the advantage (meshtrain.rl.rows)
 
     def sums(
         self,

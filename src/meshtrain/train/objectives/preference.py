@@ -21,7 +21,9 @@ over the pairs: rewards/chosen = β·(logp_c − ref_c) (SimPO: β·avg logp_c),
 rewards/accuracies (chosen reward above rejected), rewards/margins, logps/chosen, logps/rejected.
 
 The gradient and the reference: train.objectives.token_scores (the loss is a function of the
-answers' log-probabilities; the reference runs forward only).
+answers' log-probabilities; the reference runs forward only). With objective.reference=
+precomputed the reference does not run in the step: each row carries its targets' reference
+log-probabilities after its tokens (seq_len more columns, fp32 bits; train.reference_scores).
 """
 
 from __future__ import annotations
@@ -31,12 +33,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from meshtrain.config.objective import ObjectiveConfig, reads_reference
+from meshtrain.config.objective import ObjectiveConfig, precomputed_reference, reads_reference
 from meshtrain.models.abstract import AbstractModel
 from meshtrain.models.lora import AdapterDropout
 from meshtrain.train.gradients import Sums
 from meshtrain.train.objectives.base import Objective, StepInputs
-from meshtrain.train.objectives.token_scores import policy_scores, reference_log_probs
+from meshtrain.train.objectives.token_scores import (
+    policy_scores,
+    reference_log_probs,
+    split_reference_scores,
+)
 
 METRICS = (
     "rewards/chosen",
@@ -92,7 +98,13 @@ class Preference(Objective):
 
     def __init__(self, inputs: StepInputs, cfg: ObjectiveConfig) -> None:
         super().__init__(inputs, cfg)
-        self.reads_reference = reads_reference(cfg)
+        self.against_reference = reads_reference(cfg)
+        self.precomputed = precomputed_reference(cfg)
+        # Only a reference computed in the step reads the state's frozen copy.
+        self.reads_reference = self.against_reference and not self.precomputed
+
+    def extra_columns(self, seq_len: int) -> int:
+        return seq_len if self.precomputed else 0  # the reference's log-probability per target
 
     def sums(
         self,
@@ -102,11 +114,14 @@ class Preference(Objective):
         frozen: Any,
         dropout: AdapterDropout | None = None,
     ) -> Sums:
+        ref_log_probs = None
+        if self.precomputed:
+            rows, ref_log_probs = split_reference_scores(rows)
         policy = policy_scores(self.inputs, model, params, frozen, rows, dropout)
         mask, segment_ids = policy.mask, policy.segment_ids
         if self.reads_reference:
             ref_log_probs = reference_log_probs(self.inputs, model, params, frozen, policy)
-        else:
+        elif ref_log_probs is None:
             ref_log_probs = jnp.zeros_like(policy.log_probs)
 
         def pairs(per_token: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -160,7 +175,7 @@ class Preference(Objective):
         valid: jax.Array,
     ) -> Sums:
         beta = self.cfg.beta
-        if self.reads_reference:
+        if self.against_reference:
             chosen_reward = beta * (chosen - ref_chosen)
             rejected_reward = beta * (rejected - ref_rejected)
             chosen_logps, rejected_logps = chosen, rejected

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from meshtrain.models.abstract import AbstractModel, merge_model
 from meshtrain.models.lora import AdapterDropout
@@ -74,12 +75,60 @@ def reference_log_probs(
 ) -> jax.Array:
     """fp32 [B, T]: each target's log-probability under the reference (see the module
     docstring), over the rows the policy read."""
+    return _reference_target_log_probs(
+        inputs,
+        model,
+        params,
+        frozen,
+        policy.inputs,
+        policy.positions,
+        policy.segment_ids,
+        policy.targets,
+    )
+
+
+def reference_row_log_probs(
+    inputs: StepInputs, model: AbstractModel, params: Any, frozen: Any, rows: jax.Array
+) -> jax.Array:
+    """fp32 [B, T]: each target of `rows` (tokens [B, seq_len + 1]) under the reference, the
+    reference alone run (train.reference_scores scores a dataset so, before training)."""
+    tokens, targets, _, segment_ids, positions = inputs.token_format.read(rows)
+    return _reference_target_log_probs(
+        inputs, model, params, frozen, tokens, positions, segment_ids, targets
+    )
+
+
+def _reference_target_log_probs(
+    inputs: StepInputs,
+    model: AbstractModel,
+    params: Any,
+    frozen: Any,
+    tokens: jax.Array,
+    positions: jax.Array | None,
+    segment_ids: jax.Array,
+    targets: jax.Array,
+) -> jax.Array:
     if model.lora:
         off = jax.tree.map(jnp.zeros_like, params)
         weights = jax.lax.stop_gradient(model.full_params(off, frozen))
     else:
         weights = jax.lax.stop_gradient(frozen)
     reference = merge_model(model, cast_params(model, weights, inputs.compute_dtype))
-    hidden = reference.hidden(policy.inputs, policy.positions, policy.segment_ids, in_layout=True)
-    weight, _ = reference.output_weight()
-    return target_log_probs(hidden, weight, policy.layout, policy.targets, rules=policy.rules)
+    hidden = reference.hidden(tokens, positions, segment_ids, in_layout=True)
+    weight, layout = reference.output_weight()
+    return target_log_probs(hidden, weight, layout, targets, rules=reference.rules)
+
+
+def with_reference_scores(rows: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """Rows of tokens int32 [..., seq_len + 1] and their targets' reference log-probabilities
+    float [..., seq_len] → int32 [..., 2 · seq_len + 1], the scores' float32 bits last, so that
+    they travel through the step's splits with their row."""
+    bits = np.asarray(scores, np.float32).view(np.int32)
+    return np.concatenate([np.asarray(rows, np.int32), bits], axis=-1)
+
+
+def split_reference_scores(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """with_reference_scores' rows, on the device → (tokens int32 [B, seq_len + 1], the
+    reference's log-probabilities fp32 [B, seq_len])."""
+    seq_len = (rows.shape[-1] - 1) // 2
+    return rows[:, : seq_len + 1], jax.lax.bitcast_convert_type(rows[:, seq_len + 1 :], jnp.float32)
