@@ -1,4 +1,5 @@
-"""Reading compiled HLO: shapes, replica groups in all three spellings, loop trip counts."""
+"""Reading compiled HLO: shapes, replica groups in all three spellings, loop trip counts, the
+FLOPs of the matrix products."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshtrain.observe.hlo import (
     Array,
+    matmul_flops,
     parse_module,
     parse_shape,
     replica_groups,
@@ -181,3 +183,13 @@ def test_each_branch_of_a_conditional_counts_a_share_of_its_executions():
         if i.opcode == "all-reduce"
     )
     assert reduces == 6
+
+
+def test_matmul_flops_count_each_product_as_often_as_it_runs():
+    def f(x, w, v):  # x [8, 32] · w [32, 16] once, then [8, 16] · v [16, 16] in a loop of 3
+        h = x @ w
+        return jax.lax.fori_loop(0, 3, lambda _, h: jnp.tanh(h @ v), h)
+
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((8, 32), (32, 16), (16, 16))]
+    module = parse_module(jax.jit(f).lower(*shapes).compile().as_text())
+    assert matmul_flops(module) == 2 * 8 * 32 * 16 + 3 * (2 * 8 * 16 * 16)

@@ -1,6 +1,6 @@
-"""scripts/checks/compile_for.py's gates, on recorded results (the compiles themselves are the slow test
-in tests/hardware/test_deviceless.py): the step's fusions per layer against llama3_1b's, the same
-on every machine, rather than its compile time per layer, which the machine's load moves."""
+"""scripts/checks/compile_for.py's gates, on recorded results (the compiles themselves are the slow
+test in tests/hardware/test_deviceless.py): the step's fusions per layer against llama3_1b's, the
+same on every machine, rather than its compile time per layer, which the machine's load moves."""
 
 import argparse
 import importlib.util

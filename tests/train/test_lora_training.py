@@ -18,10 +18,13 @@ from meshtrain.errors import ConfigError
 from meshtrain.models.abstract import abstract_model, merge_model
 from meshtrain.models.initialization import initial_params
 from meshtrain.models.lora import join_adapters, merge_adapters, split_adapters
+from meshtrain.observe.hlo import matmul_flops, parse_module
 from meshtrain.parallel.mesh import build_mesh, parse_mesh_shape
+from meshtrain.train.compilation import compile_train_step
 from meshtrain.train.describe import describe
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.setup import prepare
+from meshtrain.train.state import state_shardings
 from meshtrain.weights.lora_base import lora_summary
 
 RUN = (
@@ -298,3 +301,55 @@ def test_dropout_zeroes_its_share_and_scales_the_rest():
     np.testing.assert_array_equal(again, dropped[2:])  # a row's mask is its own
     other = np.asarray(AdapterDropout(keys, 3).apply(x, "k", 0.25))
     assert (other != dropped).any()  # and each projection's, each layer's
+
+
+STEP = (
+    "data=synthetic",
+    "data.seq_len=32",
+    "training.global_batch_size=4",
+    "model.mesh_shape=[[1,1],[fsdp,tp]]",
+)
+
+
+def _step_matmul_flops(*overrides: str) -> float:
+    """The FLOPs of the matrix products of the compiled train step, one device."""
+    setup = prepare(compose_config(*STEP, *overrides), jax.devices()[:1])
+    tx = build_optimizer(setup.cfg.training)
+    shardings = state_shardings(setup.model, tx, setup.mesh, reference=setup.reference_copy)
+    compiled, _ = compile_train_step(setup, tx, shardings)
+    return matmul_flops(parse_module(compiled.as_text()))
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param((), id="layers"),
+        pytest.param(("model.scan_layers=true",), id="scanned", marks=pytest.mark.slow),
+        pytest.param(
+            ("model.lora.base_dtype=nf4", "model.lora.quant_block=16"),
+            id="qlora",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_the_compiled_lora_step_computes_no_weight_gradient_of_the_base(variant):
+    """Full minus LoRA matmul FLOPs, as compiled, is exactly what freezing the base saves (the
+    projections' and the tied head's weight gradients) less what the adapters cost (x·A, ·B,
+    and their three backward products each); unrolled, the first layer's q, k and v also need
+    no input gradient, through the base or the adapters: nothing trainable comes before them."""
+    rank = 4
+    full = _step_matmul_flops(*[v for v in variant if "lora" not in v])
+    lora = _step_matmul_flops(*variant, f"model.lora.rank={rank}")
+    m = compose_config().model
+    tokens = 4 * 32
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    projections = [(m.d_model, q), (m.d_model, kv), (m.d_model, kv), (q, m.d_model)]
+    projections += [(m.d_model, m.mlp_dim)] * 2 + [(m.mlp_dim, m.d_model)]
+    weight_gradients = (
+        2 * tokens * (m.num_layers * sum(i * o for i, o in projections) + m.d_model * m.vocab_size)
+    )
+    adapters = 6 * tokens * rank * m.num_layers * sum(i + o for i, o in projections)
+    first_layer = 2 * tokens * m.d_model * ((q + 2 * kv) + 3 * rank)  # base, then adapters
+    if "model.scan_layers=true" in variant:  # one loop body for every layer: nothing dropped
+        first_layer = 0
+    assert full - lora == weight_gradients + first_layer - adapters

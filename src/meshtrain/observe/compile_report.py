@@ -3,7 +3,7 @@
 The initialisation (the parameter and optimizer-state programs, meshtrain.models.initialization)
 and the train step, each with its compile time and its fusions (about the kernels a GPU
 launches), and the attention kernel the step runs; on a GPU target, the cuDNN attention calls
-in the compiled step.
+in the compiled step; and the FLOPs of each program's matrix products as compiled.
 """
 
 from __future__ import annotations
@@ -16,16 +16,18 @@ from typing import Any
 
 import jax
 
-from meshtrain.observe.hlo import cudnn_attention_calls, fusion_count, parse_module
+from meshtrain.observe.hlo import cudnn_attention_calls, fusion_count, matmul_flops, parse_module
 
 
 @dataclass(frozen=True)
 class ProgramCompile:
-    """One or more programs compiled together: seconds of compiling, fusions, cuDNN calls."""
+    """One or more programs compiled together: seconds of compiling, fusions, cuDNN calls, and
+    the FLOPs of their matrix products per execution (observe.hlo.matmul_flops)."""
 
     seconds: float
     fusions: int
     cudnn_attention_calls: int
+    matmul_flops: float
 
 
 def measure(compiled: Iterable[jax.stages.Compiled], seconds: float) -> ProgramCompile:
@@ -35,6 +37,7 @@ def measure(compiled: Iterable[jax.stages.Compiled], seconds: float) -> ProgramC
         seconds=seconds,
         fusions=sum(fusion_count(module) for module in modules),
         cudnn_attention_calls=sum(cudnn_attention_calls(module) for module in modules),
+        matmul_flops=sum(matmul_flops(module) for module in modules),
     )
 
 

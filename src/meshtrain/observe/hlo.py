@@ -352,3 +352,24 @@ def cudnn_attention_calls(module: HloModule) -> int:
         for instructions in module.computations.values()
         for instruction in instructions
     )
+
+
+def matmul_flops(module: HloModule) -> float:
+    """The FLOPs of a compiled module's matrix products per execution (2 per multiply-add):
+    every `dot`, in fusions and loop bodies too, times how often its computation runs
+    (HloModule.execution_counts). What the compiled program multiplies, to hold against what it
+    should: a LoRA step computes no weight gradient of its frozen base."""
+    counts, _ = module.execution_counts()
+    return sum(
+        dot_flops(module, instruction) * counts.get(computation, 0)
+        for computation, instructions in module.computations.items()
+        for instruction in instructions
+        if instruction.opcode == "dot"
+    )
+
+
+def dot_flops(module: HloModule, dot: Instruction) -> float:
+    """2 × the result's elements × the contracted elements of one execution of `dot`."""
+    lhs = module.by_name[dot.operands[0]].shape[0]
+    contracting = _ints(dot.attribute("lhs_contracting_dims") or "{}")
+    return 2.0 * math.prod(dot.shape[0].dims) * math.prod(lhs.dims[d] for d in contracting)
