@@ -33,6 +33,7 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+CONTAINERS = ("while", "conditional", "call")  # operations that run other computations
 CATEGORIES = (
     "projections",
     "head and loss",
@@ -134,6 +135,9 @@ def attribute(run_dir: Path, hlo_text: str, rank: int | None, vocab: int, window
     seconds: dict[str, float] = defaultdict(float)
     for events in op_events(trace, module.name).values():
         for op, start, end in events:
+            instruction = module.by_name.get(op)
+            if instruction is not None and instruction.opcode in CONTAINERS:
+                continue  # its operations are events of their own
             seconds[categories.get(op, "other")] += (end - start) / 1e9 / window
     counts, _ = module.execution_counts()
     flops: dict[str, float] = defaultdict(float)
