@@ -121,6 +121,8 @@ MESHES = [
         id="dp2-fsdp4-accum2",
         marks=pytest.mark.slow,
     ),
+    # The adapters' backward under cp: einsums over [B, T, ...] (models.lora.adapter_output).
+    pytest.param("[[2,4],[cp,fsdp]]", 8, (), id="cp2-fsdp4", marks=pytest.mark.slow),
 ]
 
 
