@@ -67,6 +67,7 @@ def test_measured_collective_share(profiled_run):
     assert "communication per device per step, from the compiled HLO" in result.stdout
 
 
+@pytest.mark.slow  # the profiled run (14 s) its siblings read in the slow set
 def test_throughput_metrics_are_consistent(profiled_run):
     run_dir, _ = profiled_run
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
