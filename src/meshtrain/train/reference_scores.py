@@ -67,6 +67,8 @@ class ReferenceScored:
         return len(self.dataset)
 
     def __getattr__(self, name: str) -> Any:  # what else the dataset tells (num_documents...)
+        if name == "dataset":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
         return getattr(self.dataset, name)
 
     def __getitem__(self, index: int) -> np.ndarray:
