@@ -2,8 +2,7 @@
 (docs/performance.md#preference-optimisation-against-trl).
 
     python scripts/benchmark_preference.py [--modes two-model precomputed lora] [--steps 10]
-        [--warmup 3]
-        [--hidden 256] [--layers 4] [--seq-len 255] [--rows 8] [--json OUT]
+        [--warmup 3] [--hidden 256] [--layers 4] [--seq-len 255] [--rows 8] [--json OUT]
 
 The model: a Qwen 3 (QK-norm, GQA, SwiGLU, tied embeddings) of --hidden width and --layers
 layers with random weights, written with transformers' save_pretrained; the Qwen 3 chat
@@ -19,8 +18,8 @@ ref_model, meshtrain's objective.reference=initial), precomputed (the same refer
 log-probabilities computed once before the first step: trl's precompute_ref_log_probs=True,
 meshtrain's objective.reference=precomputed; the steps run the policy alone) and lora (rank 16,
 alpha 32 on q, k, v, o, gate, up, down; the reference is the base with the adapters off on both
-sides). Each side runs
-in a child process of its own, so its peak resident memory (os.wait4's ru_maxrss) is its own.
+sides). Each side runs in a child process of its own, so its peak resident memory (os.wait4's
+ru_maxrss) is its own.
 
 A step's time is the median of the timed steps after the warm-up (meshtrain: its logged
 step_time_s; trl: the time between its callback's step ends). meshtrain packs pairs whole into

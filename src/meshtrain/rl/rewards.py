@@ -5,10 +5,10 @@ Each is named "module:function" (an importable module) or "path/to/file.py:funct
 once per step with keyword arguments: prompts (each completion's prompt as the record wrote it: a
 string, or a list of messages), completions (the sampled text: a string, or for a list-of-messages
 prompt [{"role": "assistant", "content": text}]), completion_ids (each completion's token ids,
-with the stop token that ended it, as trl passes them) and every other column of the prompts' records, one value per
-completion. It returns one float per completion, or None where it does not apply. A completion's
-reward is the weighted sum (objective.reward_weights) of the functions that scored it; nan where
-none did (its advantage is then 0, meshtrain.rl.advantages).
+with the stop token that ended it, as trl passes them) and every other column of the prompts'
+records, one value per completion. It returns one float per completion, or None where it does
+not apply. A completion's reward is the weighted sum (objective.reward_weights) of the functions
+that scored it; nan where none did (its advantage is then 0, meshtrain.rl.advantages).
 """
 
 from __future__ import annotations

@@ -8,10 +8,8 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from meshtrain.data import validation_batches
-from meshtrain.parallel.rules import logical_to_spec
 from meshtrain.train.batch import process_rows, to_global_array
 from meshtrain.train.setup import Setup
 from meshtrain.train.state import TrainState
@@ -26,12 +24,8 @@ def make_evaluator(
     cfg = setup.cfg
     if setup.validation_data is None:
         return None
-    seq_len = cfg.data.seq_len
-    # [batch, seq_len + 1 + the objective's extra columns]
-    eval_shape = (setup.micro_global, seq_len + 1 + setup.objective.extra_columns(seq_len))
-    eval_sharding = NamedSharding(
-        setup.mesh, logical_to_spec(("batch", None), cfg.model.logical_axis_rules)
-    )
+    eval_shape = setup.batch_shape[1:]  # a micro-batch: [batch, seq_len + 1 + extra columns]
+    eval_sharding = setup.rows_sharding
     local = validation_batches(
         setup.validation_data,
         global_batch=setup.micro_global,

@@ -36,7 +36,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshtrain.config.caches import cache_dir
 from meshtrain.data import MixedDataset, TokenDataset
-from meshtrain.parallel.rules import logical_to_spec
 from meshtrain.train.batch import process_rows, to_global_array
 from meshtrain.train.objectives.token_scores import reference_row_log_probs, with_reference_scores
 from meshtrain.train.setup import Setup
@@ -172,12 +171,7 @@ def _scoring_program(setup: Setup, shardings: TrainState) -> Callable[..., jax.A
 
     weights = shardings.frozen if model.lora else shardings.params
     everywhere = NamedSharding(setup.mesh, PartitionSpec())
-    return jax.jit(score, in_shardings=(weights, _rows_sharding(setup)), out_shardings=everywhere)
-
-
-def _rows_sharding(setup: Setup) -> NamedSharding:
-    spec = logical_to_spec(("batch", None), setup.cfg.model.logical_axis_rules)
-    return NamedSharding(setup.mesh, spec)
+    return jax.jit(score, in_shardings=(weights, setup.rows_sharding), out_shardings=everywhere)
 
 
 def _score(
@@ -187,7 +181,7 @@ def _score(
     padded with copies of row 0, whose scores are dropped)."""
     batch, seq_len = setup.micro_global, dataset.seq_len
     shape = (batch, seq_len + 1)
-    sharding = _rows_sharding(setup)
+    sharding = setup.rows_sharding
     mine = process_rows(sharding, shape, axis=0)
     scores = np.empty((len(dataset), seq_len), np.float32)
     for start in range(0, len(dataset), batch):
@@ -204,6 +198,7 @@ def _save(path: Path | None, scores: np.ndarray) -> Path | None:
     cache never reads half a file) from process 0; None if not cached."""
     if path is None or jax.process_index() != 0:
         return None
+    staging = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, staging = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".npy", dir=path.parent)
@@ -211,8 +206,9 @@ def _save(path: Path | None, scores: np.ndarray) -> Path | None:
             np.save(file, scores)
         os.replace(staging, path)
     except OSError as err:
-        with suppress(OSError, UnboundLocalError):
-            os.unlink(staging)
+        if staging is not None:
+            with suppress(OSError):
+                os.unlink(staging)
         log.warning("reference: could not cache the scores in %s: %s", path.parent, err)
         return None
     return path

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from meshtrain.config.epochs import with_epoch_steps
 from meshtrain.config.locations import with_absolute_paths
@@ -33,7 +33,7 @@ from meshtrain.observe.flops import train_flops_per_step
 from meshtrain.observe.progress import phase
 from meshtrain.parallel.context import ContextLayout, sequence_axes, sequence_shards
 from meshtrain.parallel.mesh import MeshSpec, build_mesh, parse_mesh_shape
-from meshtrain.parallel.rules import mesh_axes_for
+from meshtrain.parallel.rules import logical_to_spec, mesh_axes_for
 from meshtrain.rl.setup import RolloutData, rollout_data
 from meshtrain.train.documents import TokenFormat, token_format
 from meshtrain.train.objectives import OBJECTIVES, Objective, StepInputs, build_objective
@@ -92,6 +92,13 @@ class Setup:
         seq_len = self.cfg.data.seq_len
         columns = seq_len + 1 + self.objective.extra_columns(seq_len)
         return (accum, self.micro_global, columns)
+
+    @property
+    def rows_sharding(self) -> NamedSharding:
+        """Rows [batch, columns] split over the batch axes, as a micro-batch of the step is
+        (the validation batches, the rows the reference scores)."""
+        spec = logical_to_spec(("batch", None), self.cfg.model.logical_axis_rules)
+        return NamedSharding(self.mesh, spec)
 
     @property
     def flops_per_step(self) -> int:
