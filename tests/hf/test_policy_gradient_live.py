@@ -34,7 +34,7 @@ def trl():
     )
 
 
-def _trl_loss(trl, log_probs, old, ref, advantages, mask, loss_type, beta):
+def _trl_loss(trl, log_probs, old, ref, advantages, mask, loss_type, beta, level):
     """trl's GRPOTrainer._compute_loss on an object holding only what it reads (evaluation
     mode: no accumulation or process scaling), and the gradient of its loss with respect to
     the per-token log-probabilities."""
@@ -45,7 +45,7 @@ def _trl_loss(trl, log_probs, old, ref, advantages, mask, loss_type, beta):
         _get_per_token_logps_and_entropies=lambda *a, **k: (policy, torch.zeros_like(policy), None),
         top_entropy_quantile=1.0,
         off_policy_mask_threshold=None,
-        importance_sampling_level="token",
+        importance_sampling_level=level,
         beta=beta,
         args=SimpleNamespace(use_bias_correction_kl=False, delta=None),
         loss_type=loss_type,
@@ -79,18 +79,20 @@ def _trl_loss(trl, log_probs, old, ref, advantages, mask, loss_type, beta):
     return float(loss.detach()), policy.grad.numpy(), {k: v[-1] for k, v in metrics.items()}
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_the_loss_its_gradient_and_metrics_are_trls(trl, loss_type, beta):
+def test_the_loss_its_gradient_and_metrics_are_trls(trl, loss_type, beta, level):
     rng = np.random.default_rng(1)
     rows, length = 6, MAX_NEW
     log_probs = rng.normal(-2.0, 0.5, (rows, length))
-    old = log_probs + rng.normal(0, 0.3, (rows, length))
+    # Ratios on both sides of the clip range, per token and per completion (sequence level).
+    old = log_probs + rng.normal(0, 0.3, (rows, length)) + rng.normal(0, 0.3, (rows, 1))
     ref = log_probs + rng.normal(0, 0.2, (rows, length))
     advantages = rng.normal(0, 1, rows)
     mask = (np.arange(length)[None, :] < rng.integers(1, length + 1, rows)[:, None]) * 1.0
     theirs, their_grad, their_metrics = _trl_loss(
-        trl, log_probs, old, ref, advantages, mask, loss_type, beta
+        trl, log_probs, old, ref, advantages, mask, loss_type, beta, level
     )
 
     cfg = ObjectiveConfig(
@@ -100,20 +102,23 @@ def test_the_loss_its_gradient_and_metrics_are_trls(trl, loss_type, beta):
         epsilon=EPSILON,
         epsilon_high=EPSILON_HIGH,
         max_new_tokens=MAX_NEW,
+        importance_sampling_level=level,
     )
     as32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
 
     def loss(lp):
-        losses, parts = token_losses(lp, as32(old), as32(ref), as32(advantages), cfg)
+        losses, parts = token_losses(lp, as32(old), as32(ref), as32(advantages), as32(mask), cfg)
         total, count = loss_sum_and_count(losses, as32(mask), cfg)
         return total / count, parts
 
     (ours, parts), our_grad = jax.value_and_grad(loss, has_aux=True)(as32(log_probs))
     np.testing.assert_allclose(float(ours), theirs, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(our_grad), their_grad, rtol=1e-4, atol=1e-7)
-    tokens = mask.sum()
-    for name, value in parts.items():
-        np.testing.assert_allclose(float(jnp.sum(value * mask)) / tokens, their_metrics[name], 1e-5)
+    for name, value in parts.items():  # per token, or per completion (sequence-level clips)
+        mean = float(
+            jnp.sum(value * mask) / mask.sum() if value.shape == mask.shape else value.mean()
+        )
+        np.testing.assert_allclose(mean, their_metrics[name], 1e-5)
     assert ("kl" in parts) == (beta > 0) == ("kl" in their_metrics)
     assert 0 < their_metrics["clip_ratio/region_mean"] < 1  # the clip is exercised
 

@@ -1,6 +1,7 @@
 """A completion as a row (meshtrain.rl.rows): the prompt untrained and marked as the document's
 start, the completion trained (or not, when masked), padding untrained, and the advantage's
-bits in the last column, read back exactly on the device."""
+bits in the next column (with a generation that feeds several updates, also the token share and
+the old log-probabilities), read back exactly on the device."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from meshtrain.data.chat.marks import DOCUMENT_START, ID_BITS, NOT_TRAINED
-from meshtrain.rl.rows import completion_rows, split_advantages, with_advantages
+from meshtrain.rl.rows import completion_rows, rollout_columns, split_rollout, with_rollout
 
 
 def test_a_row_is_the_prompt_untrained_then_the_completion_then_padding():
@@ -24,9 +25,22 @@ def test_a_row_is_the_prompt_untrained_then_the_completion_then_padding():
         completion_rows(prompts[:1], completions[:1], np.array([True]), 4)
 
 
-def test_the_advantage_travels_in_the_rows_bit_for_bit():
-    tokens = np.arange(12, dtype=np.int32).reshape(3, 4)
+def test_the_rollout_travels_in_the_rows_bit_for_bit():
+    tokens = np.arange(12, dtype=np.int32).reshape(3, 4)  # seq_len 3
     advantages = np.array([-1.5, 0.0, 3.25e-7], np.float32)
-    back_tokens, back = split_advantages(with_advantages(tokens, advantages))
-    np.testing.assert_array_equal(back_tokens, tokens)
-    np.testing.assert_array_equal(np.asarray(back), advantages)
+    rows = with_rollout(tokens, advantages)
+    assert rows.shape == (3, 4 + rollout_columns(3, buffered=False))
+    back = split_rollout(rows, buffered=False)
+    np.testing.assert_array_equal(back.tokens, tokens)
+    np.testing.assert_array_equal(np.asarray(back.advantages), advantages)
+    assert back.token_share is None and back.old_log_probs is None
+
+    share = np.array([2.5, 2.5, 2.5], np.float32)
+    old = -np.arange(9, dtype=np.float32).reshape(3, 3) / 7
+    rows = with_rollout(tokens, advantages, share, old)
+    assert rows.shape == (3, 4 + rollout_columns(3, buffered=True)) == (3, 9)
+    back = split_rollout(rows, buffered=True)
+    np.testing.assert_array_equal(back.tokens, tokens)
+    np.testing.assert_array_equal(np.asarray(back.advantages), advantages)
+    np.testing.assert_array_equal(np.asarray(back.token_share), share)
+    np.testing.assert_array_equal(np.asarray(back.old_log_probs), old)

@@ -16,6 +16,7 @@ from helpers.config import compose_config
 from helpers.paths import REPO
 from helpers.runs import train_tiny
 
+from meshtrain.checkpoint.layout import read_meta
 from meshtrain.config.validate import check_config
 from meshtrain.errors import ConfigError
 from meshtrain.train.dry_run import dry_run
@@ -93,6 +94,80 @@ def test_a_resumed_run_samples_and_trains_as_the_run_never_stopped(tmp_path):
         assert [a[k] for k in KEYS] == [b[k] for k in KEYS]  # bit for bit
 
 
+@pytest.mark.slow
+def test_a_generation_feeds_several_steps_the_same_on_any_mesh_and_split(tmp_path):
+    """μ = 2 updates on each generation of 2 steps' prompts: one generation every 4 steps,
+    sampled and scored (the old log-probabilities) by the policy of its first step."""
+    run = (
+        *_grpo_overrides(tmp_path),
+        "objective.num_iterations=2",
+        "objective.steps_per_generation=2",
+        "training.steps=5",
+    )
+    one = train_tiny(tmp_path / "one", *run, devices=1)
+    split = train_tiny(
+        tmp_path / "split",
+        *run,
+        "model.mesh_shape=[[4,2],[fsdp,tp]]",
+        "training.gradient_accumulation_steps=2",
+        devices=8,
+    )
+    for a, b in zip(one.history, split.history, strict=True):
+        assert a.keys() == b.keys()
+        for key in ("loss", "grad_norm", "clip_ratio/region_mean"):
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6)
+    sampled = [h["step"] for h in one.history if "reward" in h]
+    assert sampled == [1, 5]  # a generation at steps 1 and 5 only
+    np.testing.assert_allclose(one.history[0]["reward"], split.history[0]["reward"], rtol=1e-6)
+    assert one.history[0]["rollout/old_log_probs_s"] > 0
+    # Step 1 trains with the policy that sampled: every ratio is 1 (to rounding), nothing clips.
+    assert one.history[0]["clip_ratio/region_mean"] == 0
+    # Steps 3 and 4 train on step 1's and 2's completions again, with a policy moved by lr 1e-2.
+    assert max(h["clip_ratio/region_mean"] for h in one.history[2:4]) > 0
+
+
+def test_the_first_update_of_a_generation_is_the_on_policy_update(tmp_path):
+    """With μ = 2, step 1's loss and gradient are those of μ = 1 (the old log-probabilities are
+    the policy's own); the completions, sampled with the same key, are the same."""
+    run = (*_grpo_overrides(tmp_path), "training.steps=1")
+    once = train_tiny(tmp_path / "once", *run, devices=1).history[0]
+    twice = train_tiny(tmp_path / "twice", *run, "objective.num_iterations=2", devices=1)
+    twice = twice.history[0]
+    assert twice["reward"] == once["reward"]
+    assert twice["completions/mean_length"] == once["completions/mean_length"]
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(twice[key], once[key], rtol=1e-5)
+    assert twice["clip_ratio/region_mean"] == 0
+
+
+@pytest.mark.slow
+def test_a_run_resumed_inside_a_generation_trains_on_its_completions(tmp_path):
+    """A checkpoint at step 3 of a 4-step generation holds that generation's rows: the resumed
+    run trains steps 4 to 6 (a new generation at 5) exactly as the run never stopped."""
+    run = (
+        *_grpo_overrides(tmp_path),
+        "objective.num_iterations=2",
+        "objective.steps_per_generation=2",
+        "training.lr_schedule=constant",
+        "checkpoint.every_steps=3",
+    )
+    whole = train_tiny(tmp_path / "whole", *run, "training.steps=6", devices=1)
+    train_tiny(tmp_path / "halves", *run, "training.steps=3", devices=1)
+    saved = json.loads(
+        (tmp_path / "halves" / "checkpoints" / "3" / "meta" / "metadata").read_text()
+    )
+    assert saved["data"] == {"step": 3} and saved["data_arrays"] == {
+        "generation": {"shape": [2, 1, 16, 2 * 40 + 3], "dtype": "int32"}
+    }
+    resumed = train_tiny(tmp_path / "halves", *run, "training.steps=6", devices=1)
+    assert [h["step"] for h in resumed.history] == [4, 5, 6]
+    keys = (*KEYS[:2], "clip_ratio/region_mean")
+    for a, b in zip(whole.history[3:], resumed.history, strict=True):
+        assert [a[k] for k in keys] == [b[k] for k in keys]  # bit for bit
+    assert [k for k in KEYS if k in resumed.history[1]] == list(KEYS)  # step 5 sampled
+    assert [resumed.history[1][k] for k in KEYS] == [whole.history[4][k] for k in KEYS]
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -165,6 +240,25 @@ def test_a_resumed_run_samples_and_trains_as_the_run_never_stopped(tmp_path):
             "objective.reward_weights has 1 weights for 2 reward functions: give one per "
             "function (or none: all 1)",
         ),
+        (
+            (
+                "objective=grpo",
+                "data=prompts",
+                "objective.rewards=[m:f]",
+                "objective.num_iterations=0",
+            ),
+            "objective.num_iterations=0 must be >= 1 (updates per generation)",
+        ),
+        (
+            (
+                "objective=grpo",
+                "data=prompts",
+                "objective.rewards=[m:f]",
+                "objective.importance_sampling_level=sentence",
+            ),
+            "objective.importance_sampling_level='sentence' is not supported; use one of: "
+            "token, sequence",
+        ),
     ],
 )
 def test_bad_settings_are_one_line(overrides, message):
@@ -208,10 +302,24 @@ def test_shapes_and_functions_that_cannot_work_are_one_line_before_the_compile(
 def test_a_dry_run_compiles_the_rollouts_sampling_program_too(tmp_path, capsys):
     """training.dry_run=true compiles the sampling program beside the step (with plan.target, for
     GPUs: docs/rl.md), for the step's completions and the longest prompt bucket a row leaves."""
-    cfg = compose_config(
-        *_grpo_overrides(tmp_path), "model.mesh_shape=[[4,2],[fsdp,tp]]", "training.dry_run=true"
+
+    overrides = (
+        *_grpo_overrides(tmp_path),
+        "model.mesh_shape=[[4,2],[fsdp,tp]]",
+        "training.dry_run=true",
     )
+    cfg = compose_config(*overrides)
     dry_run(cfg, tmp_path / "run", devices=jax.devices())
     report = json.loads((tmp_path / "run" / "compile.json").read_text())
     assert report["rollout"]["fusions"] > 0 and report["rollout"]["seconds"] > 0
     assert "compiled the rollouts' sampling program in " in capsys.readouterr().out
+    # A generation that feeds 2 updates is also scored by the policy that sampled it: one more
+    # program, a forward pass over the step's rows (its matmuls).
+    dry_run(
+        compose_config(*overrides, "objective.num_iterations=2"),
+        tmp_path / "twice",
+        devices=jax.devices(),
+    )
+    twice = json.loads((tmp_path / "twice" / "compile.json").read_text())["rollout"]
+    assert twice["matmul_flops"] > report["rollout"]["matmul_flops"]
+    assert twice["fusions"] > report["rollout"]["fusions"]

@@ -14,18 +14,23 @@ import pytest
 from helpers.objectives import FLAGGED, tiny_policy
 
 from meshtrain.config.objective import ObjectiveConfig
-from meshtrain.rl.rows import completion_rows, with_advantages
+from meshtrain.rl.rows import completion_rows, with_rollout
 from meshtrain.train.objectives import GroupRelative, StepInputs
 from meshtrain.train.objectives.policy_gradient import loss_sum_and_count, token_losses
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 
 
-def _published(log_probs, old, ref, advantages, mask, loss_type, beta, low, high, max_new):
-    """GRPO's loss written out in float64 numpy, one completion (row) at a time."""
+def _published(log_probs, old, ref, advantages, mask, cfg, tokens_per_update=None):
+    """GRPO's loss written out in float64 numpy, one completion (row) at a time; dapo divides
+    by `tokens_per_update` where given (a generation that feeds several updates)."""
+    loss_type, beta, max_new = cfg.loss_type, cfg.beta, cfg.max_new_tokens
+    low, high = cfg.epsilon, cfg.epsilon_high
     per_row = []
     for lp, o, r, a, m in zip(log_probs, old, ref, advantages, mask, strict=True):
         ratio = np.exp(lp - o)
+        if cfg.importance_sampling_level == "sequence":  # GSPO: one ratio per completion
+            ratio = np.exp(((lp - o) * m).sum() / max(m.sum(), 1))
         loss = -np.minimum(ratio * a, np.clip(ratio, 1 - low, 1 + high) * a)
         loss = loss + beta * (np.exp(r - lp) - (r - lp) - 1)
         per_row.append((loss * m).sum())
@@ -34,12 +39,13 @@ def _published(log_probs, old, ref, advantages, mask, loss_type, beta, low, high
         return np.mean(per_row / np.maximum(tokens, 1))
     if loss_type == "dr_grpo":
         return per_row.sum() / (len(per_row) * max_new)
-    return per_row.sum() / tokens.sum()
+    return per_row.sum() / (tokens.sum() if tokens_per_update is None else tokens_per_update)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_the_loss_is_the_published_formula_and_adds_up_over_any_split(loss_type, beta):
+def test_the_loss_is_the_published_formula_and_adds_up_over_any_split(loss_type, beta, level):
     rng = np.random.default_rng(0)
     rows, length = 6, 9
     log_probs = rng.normal(-2.0, 0.5, (rows, length))
@@ -54,20 +60,45 @@ def test_the_loss_is_the_published_formula_and_adds_up_over_any_split(loss_type,
         epsilon=0.2,
         epsilon_high=0.28,
         max_new_tokens=12,
+        importance_sampling_level=level,
     )
-    expected = _published(log_probs, old, ref, advantages, mask, loss_type, beta, 0.2, 0.28, 12)
+    expected = _published(log_probs, old, ref, advantages, mask, cfg)
+    # A generation of 3 steps' rows: dapo divides each step's sum by its tokens / 3, spread
+    # evenly over a step's rows as token shares (meshtrain.rl.rows).
+    generation_tokens = 3 * mask.sum() + 5.0
+    share = np.full(rows, generation_tokens / 3 / rows)
+    spanning = _published(log_probs, old, ref, advantages, mask, cfg, generation_tokens / 3)
 
-    def loss_of(part: slice):
+    def loss_of(part: slice, token_share=None):
         as32 = lambda x: jnp.asarray(x[part], jnp.float32)  # noqa: E731
-        losses, _ = token_losses(as32(log_probs), as32(old), as32(ref), as32(advantages), cfg)
-        return loss_sum_and_count(losses, as32(mask), cfg)
+        losses, _ = token_losses(
+            as32(log_probs), as32(old), as32(ref), as32(advantages), as32(mask), cfg
+        )
+        shares = None if token_share is None else as32(token_share)
+        return loss_sum_and_count(losses, as32(mask), cfg, shares)
 
-    whole_sum, whole_count = loss_of(slice(None))
-    np.testing.assert_allclose(float(whole_sum / whole_count), expected, rtol=1e-5)
-    halves = [loss_of(slice(0, 2)), loss_of(slice(2, None))]
-    np.testing.assert_allclose(
-        float(sum(s for s, _ in halves) / sum(c for _, c in halves)), expected, rtol=1e-5
-    )
+    for token_share, want in ((None, expected), (share, spanning)):
+        whole_sum, whole_count = loss_of(slice(None), token_share)
+        np.testing.assert_allclose(float(whole_sum / whole_count), want, rtol=1e-5)
+        halves = [loss_of(slice(0, 2), token_share), loss_of(slice(2, None), token_share)]
+        np.testing.assert_allclose(
+            float(sum(s for s, _ in halves) / sum(c for _, c in halves)), want, rtol=1e-5
+        )
+    if loss_type != "dapo":
+        assert spanning == expected  # their counts are completions, not tokens
+
+
+def test_at_the_sequence_level_the_ratio_is_the_completions_mean_log_ratio():
+    cfg = ObjectiveConfig(name="grpo", beta=0.0, epsilon=0.2, importance_sampling_level="sequence")
+    log_probs = jnp.log(jnp.array([[0.5, 2.0, 9.0, 1.0]], jnp.float32))
+    mask = jnp.array([[1.0, 1.0, 0.0, 1.0]])  # the third target carries no loss
+    old = jnp.zeros((1, 4), jnp.float32)
+    losses, parts = token_losses(log_probs, old, None, jnp.array([1.0]), mask, cfg)
+    assert losses.shape == parts["clip_ratio/high_mean"].shape == (1, 1)
+    np.testing.assert_allclose(float(losses[0, 0]), -1.0, rtol=1e-6)  # ratio (0.5·2·1)^(1/3)
+    losses, parts = token_losses(log_probs, old, None, jnp.array([-1.0]), mask.at[0, 1].set(0), cfg)
+    np.testing.assert_allclose(float(losses[0, 0]), 0.8, rtol=1e-6)  # √0.5 = 0.707, clipped
+    assert float(parts["clip_ratio/low_mean"][0, 0]) == 1.0
 
 
 def test_the_clip_metrics_count_the_tokens_outside_the_range_on_the_advantages_side():
@@ -75,7 +106,7 @@ def test_the_clip_metrics_count_the_tokens_outside_the_range_on_the_advantages_s
     log_probs = jnp.log(jnp.array([[0.7, 1.0, 1.35, 0.5]], jnp.float32))  # ratios to old = 1
     old = jnp.zeros((1, 4), jnp.float32)
     for advantage, low, high in ((-1.0, [1, 0, 0, 1], [0] * 4), (1.0, [0] * 4, [0, 0, 1, 0])):
-        _, parts = token_losses(log_probs, old, None, jnp.array([advantage]), cfg)
+        _, parts = token_losses(log_probs, old, None, jnp.array([advantage]), jnp.ones((1, 4)), cfg)
         np.testing.assert_array_equal(parts["clip_ratio/low_mean"][0], low)
         np.testing.assert_array_equal(parts["clip_ratio/high_mean"][0], high)
         region = np.maximum(low, high)
@@ -88,6 +119,14 @@ LENGTH = 25  # seq_len + 1
 ROWS = [(4, 7), (3, 12), (6, 2), (5, 9)]
 
 
+def completion_log_probs(policy, weights, ids, prompt):
+    """[LENGTH - 1]: each completion target's log-probability, the sequence alone, and the
+    completion's mask."""
+    positions = np.arange(LENGTH - 1)
+    mask = ((positions >= prompt - 1) & (positions < len(ids) - 1)).astype(np.float32)
+    return policy.log_probs_alone(weights, ids, LENGTH) * mask, mask
+
+
 def _rows(rng):
     """Rows [4, LENGTH] (meshtrain.rl.rows) and each row's (ids, prompt length) alone."""
     sequences = [(rng.integers(1, 300, p + c).astype(np.int32), p) for p, c in ROWS]
@@ -97,49 +136,67 @@ def _rows(rng):
     return rows, sequences
 
 
-@pytest.mark.parametrize(("loss_type", "beta"), [("grpo", 0.0), ("dapo", 0.04)])
+@pytest.mark.parametrize(
+    ("loss_type", "beta", "iterations"), [("grpo", 0.0, 1), ("dapo", 0.04, 1), ("dapo", 0.0, 2)]
+)
 @pytest.mark.slow
-def test_the_loss_and_gradients_of_rows_are_those_of_each_completion_alone(loss_type, beta):
+def test_the_loss_and_gradients_of_rows_are_those_of_each_completion_alone(
+    loss_type, beta, iterations
+):
     policy = tiny_policy()
     params, reference = policy.params, policy.reference
-    tokens, sequences = _rows(np.random.default_rng(0))
+    rng = np.random.default_rng(0)
+    tokens, sequences = _rows(rng)
     advantages = np.array([1.2, -0.4, 0.0, -0.8], np.float32)
     objective_cfg = ObjectiveConfig(
-        name="grpo", loss_type=loss_type, beta=beta, reference="initial" if beta else "none"
+        name="grpo",
+        loss_type=loss_type,
+        beta=beta,
+        reference="initial" if beta else "none",
+        num_iterations=iterations,
     )
     objective = GroupRelative(StepInputs(FLAGGED, jnp.float32), objective_cfg)
-    rows = with_advantages(tokens, advantages)
+    # With 2 updates a generation the rows carry the sampling policy's log-probabilities:
+    # here the policy's own, moved far enough that some ratios leave the clip range.
+    old = None
+    if iterations > 1:
+        old = np.stack([completion_log_probs(policy, params, ids, p)[0] for ids, p in sequences])
+        old = old + rng.normal(0, 0.4, old.shape).astype(np.float32) * (old != 0)
+        share = np.full(len(ROWS), 10.0, np.float32)  # 40 tokens per step in the generation
+        rows = with_rollout(tokens, advantages, share, old)
+    else:
+        rows = with_rollout(tokens, advantages)
     sums, grads = jax.jit(objective.loss_and_grads(policy.model))(params, rows, reference)
 
-    def completion_log_probs(weights, ids, prompt):
-        """[LENGTH - 1]: each completion target's log-probability, the sequence alone, and the
-        completion's mask."""
-        positions = np.arange(LENGTH - 1)
-        mask = ((positions >= prompt - 1) & (positions < len(ids) - 1)).astype(np.float32)
-        return policy.log_probs_alone(weights, ids, LENGTH) * mask, mask
-
     def definition(weights):
-        scored = [completion_log_probs(weights, ids, prompt) for ids, prompt in sequences]
+        scored = [completion_log_probs(policy, weights, ids, prompt) for ids, prompt in sequences]
         log_probs = jnp.stack([lp for lp, _ in scored])
         mask = jnp.stack([m for _, m in scored])
         ref = None
         if beta:
-            ref = jnp.stack([completion_log_probs(reference, i, p)[0] for i, p in sequences])
+            ref = jnp.stack(
+                [completion_log_probs(policy, reference, i, p)[0] for i, p in sequences]
+            )
+        sampled = jax.lax.stop_gradient(log_probs) if old is None else jnp.asarray(old)
         losses, _ = token_losses(
-            log_probs, jax.lax.stop_gradient(log_probs), ref, jnp.asarray(advantages), objective_cfg
+            log_probs, sampled, ref, jnp.asarray(advantages), mask, objective_cfg
         )
         loss, count = loss_sum_and_count(losses, mask, objective_cfg)
-        return loss / count
+        return loss / (count if old is None else 40.0)
 
     expected, expected_grads = jax.value_and_grad(definition)(params)
     completions = sum(c for _, c in ROWS)
     assert float(sums["tokens"]) == completions
-    assert float(sums["count"]) == (completions if loss_type == "dapo" else len(ROWS))
+    dapo_count = completions if old is None else 40.0
+    assert float(sums["count"]) == (dapo_count if loss_type == "dapo" else len(ROWS))
     count = float(sums["count"])
     np.testing.assert_allclose(sums["loss"] / count, expected, rtol=1e-5)
     for ours, theirs in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
         np.testing.assert_allclose(ours / count, theirs, rtol=1e-4, atol=2e-7)
     metrics = objective.metrics(sums)
-    assert metrics["clip_ratio/region_mean"] == 0.0  # one update per rollout: the ratio is 1
+    if old is None:
+        assert metrics["clip_ratio/region_mean"] == 0.0  # one update per rollout: the ratio is 1
+    else:
+        assert 0 < metrics["clip_ratio/region_mean"] < 1
     if beta:
         assert float(metrics["kl"]) > 0

@@ -1,12 +1,15 @@
 """What a checkpoint directory holds, and reading it back verified, into any sharding.
 
-A checkpoint is one directory of three orbax items, committed atomically (orbax writes it under
-a temporary name and renames it once every process has finished):
+A checkpoint is one directory of three or four orbax items, committed atomically (orbax writes
+it under a temporary name and renames it once every process has finished):
 
     params/        the model parameters, one array per parameter, stored in shards
     train_state/   the rest of the state (training's: step, optimizer state, RNG key, non-finite
                    record); any pytree of arrays: this package knows nothing of training
-    meta/          JSON: format, step, data position, resolved config, fingerprint of every array
+    data/          host arrays of the data position, when it has any (a policy-gradient run
+                   inside a generation: the completions it still trains on), whole numpy arrays
+    meta/          JSON: format, step, data position (its arrays' shapes and dtypes, where data/
+                   holds them), resolved config, fingerprint of every array
 
 A run writes one per saved step, `<checkpoint.dir>/<step>/`; `meshtrain.export` writes params/ and
 meta/ only, so an export is also a valid `checkpoint.load_params` source.
@@ -30,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-PARAMS, TRAIN_STATE, META = "params", "train_state", "meta"
+PARAMS, TRAIN_STATE, DATA, META = "params", "train_state", "data", "meta"
+DATA_ARRAYS = "data_arrays"  # meta's key: name → {"shape", "dtype"} of each array in data/
 FORMAT = 1  # meta["format"]; bump when the layout changes
 
 
@@ -77,24 +81,37 @@ def fingerprints(tree: Any, prefix: str = "") -> dict[str, int]:
     return {prefix + name: int(value) for name, value in named_leaves(values).items()}
 
 
-def save_args(params: Any, rest: Any, meta: dict[str, Any]) -> ocp.args.Composite:
+def save_args(
+    params: Any, rest: Any, meta: dict[str, Any], data: dict[str, np.ndarray] | None = None
+) -> ocp.args.Composite:
     """The orbax items of one checkpoint: the parameters, the rest of the state (any pytree of
-    arrays) and meta, which gets the fingerprints of both."""
+    arrays), the data position's host arrays (if any) and meta, which gets the fingerprints of
+    all of them and the shapes of the data arrays."""
+    data = data or {}
+    if data:
+        meta = {
+            **meta,
+            DATA_ARRAYS: {
+                k: {"shape": list(v.shape), "dtype": v.dtype.name} for k, v in data.items()
+            },
+        }
     meta = {
         "format": FORMAT,
         **meta,
         "fingerprints": {
             **fingerprints(params, f"{PARAMS}."),
             **fingerprints(rest, f"{TRAIN_STATE}."),
+            **fingerprints(data, f"{DATA}."),
         },
     }
-    return ocp.args.Composite(
-        **{
-            PARAMS: ocp.args.StandardSave(params),
-            TRAIN_STATE: ocp.args.StandardSave(rest),
-            META: ocp.args.JsonSave(meta),
-        }
-    )
+    items = {
+        PARAMS: ocp.args.StandardSave(params),
+        TRAIN_STATE: ocp.args.StandardSave(rest),
+        META: ocp.args.JsonSave(meta),
+    }
+    if data:
+        items[DATA] = ocp.args.StandardSave(data)
+    return ocp.args.Composite(**items)
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -134,6 +151,7 @@ def _reader() -> ocp.Checkpointer:
             **{
                 PARAMS: ocp.PyTreeCheckpointHandler(),
                 TRAIN_STATE: ocp.PyTreeCheckpointHandler(),
+                DATA: ocp.PyTreeCheckpointHandler(),
                 META: ocp.JsonCheckpointHandler(),
             }
         )
@@ -248,8 +266,18 @@ def read_state(
     path: Path, abstract_params: Any, abstract_rest: Any
 ) -> tuple[Any, Any, dict[str, Any]]:
     """(parameters, rest of the state, meta), each array read straight into the sharding of its
-    abstract target (a tree of ShapeDtypeStructs)."""
-    items, meta = _read_items(path, {PARAMS: abstract_params, TRAIN_STATE: abstract_rest})
+    abstract target (a tree of ShapeDtypeStructs); the data position's arrays, if the checkpoint
+    has any, read whole into meta["data"]."""
+    saved_data = read_meta(path).get(DATA_ARRAYS, {})
+    targets = {PARAMS: abstract_params, TRAIN_STATE: abstract_rest}
+    if saved_data:
+        targets[DATA] = {
+            name: jax.ShapeDtypeStruct(tuple(a["shape"]), np.dtype(a["dtype"]))
+            for name, a in saved_data.items()
+        }
+    items, meta = _read_items(path, targets)
+    if saved_data:
+        meta["data"] = {**meta["data"], **items[DATA]}
     return items[PARAMS], items[TRAIN_STATE], meta
 
 

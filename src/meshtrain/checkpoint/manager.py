@@ -39,6 +39,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
@@ -58,7 +59,8 @@ log = logging.getLogger(__name__)
 
 
 class DataPosition(Protocol):
-    """Where the input pipeline stands: saved with each checkpoint, set again on resume."""
+    """Where the input pipeline stands: saved with each checkpoint, set again on resume. Its
+    values are JSON, or numpy arrays (kept in the checkpoint's data/ item, read back whole)."""
 
     global_batch: int
 
@@ -176,13 +178,15 @@ class RunCheckpoints:
         """Starts writing the state after `step` (in the background with async_save). A write
         the disk fails, this one or the previous, raises CheckpointWriteError naming its step."""
         assert self._manager is not None, "restore_or_init comes first"
+        position = data.get_state()  # JSON, and host arrays (saved as their own item)
+        arrays = {k: v for k, v in position.items() if isinstance(v, np.ndarray)}
         meta = {
             "step": step,
-            "data": data.get_state(),
+            "data": {k: v for k, v in position.items() if k not in arrays},
             "global_batch": data.global_batch,
             **self.run_meta,
         }
-        self._writes.save(self._manager, step, save_args(params, rest, meta))
+        self._writes.save(self._manager, step, save_args(params, rest, meta, arrays))
         self.last_saved = self.directory / str(step)
         log.info("checkpoint of step %d → %s", step, self.last_saved)
         maybe_kill_for_test(self._writes, self._manager, step)

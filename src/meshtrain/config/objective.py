@@ -15,6 +15,8 @@ PreferenceLoss = Literal["sigmoid", "ipo", "hinge", "robust", "simpo"]
 """objective.loss_type of dpo."""
 PolicyLoss = Literal["grpo", "dr_grpo", "dapo"]
 """objective.loss_type of grpo: how the per-token losses are averaged."""
+ImportanceSampling = Literal["token", "sequence"]
+"""objective.importance_sampling_level of grpo."""
 RewardScaling = Literal["group", "batch", "none"]
 """objective.scale_rewards of grpo."""
 Reference = Literal["initial", "precomputed", "none"]
@@ -60,6 +62,18 @@ class ObjectiveConfig:
     """grpo: divide each advantage by its group's reward std (group), the whole batch's (batch), or not at all (none: Dr. GRPO)."""
     mask_truncated_completions: bool = False
     """grpo: completions that reach max_new_tokens unfinished carry no loss (DAPO)."""
+    num_iterations: int = 1
+    """grpo: the updates on each generation's completions (GRPO's μ); above 1, the ratio to the sampling policy moves away from 1 and the clip acts."""
+    steps_per_generation: int = 1
+    """grpo: the optimizer steps one generation feeds: it samples the prompts of that many steps at once, and step i of the generation trains on the completions of its own prompts (whole groups)."""
+    importance_sampling_level: str = "token"  # ImportanceSampling
+    """grpo: the policy ratio per token (token: GRPO) or one per completion, the exponential of its tokens' mean log-ratio (sequence: GSPO)."""
+
+
+def generation_cycle(cfg: ObjectiveConfig) -> int:
+    """The optimizer steps between two generations of a grpo run (μ × steps_per_generation);
+    above 1 the rows carry the sampling policy's log-probabilities (meshtrain.rl.rows)."""
+    return cfg.num_iterations * cfg.steps_per_generation
 
 
 def reads_reference(cfg: ObjectiveConfig) -> bool:
@@ -197,6 +211,20 @@ def _check_grpo(cfg: ObjectiveConfig, *, data_source: str) -> None:
         not cfg.reward_weights or len(cfg.reward_weights) == len(cfg.rewards),
         f"objective.reward_weights has {len(cfg.reward_weights)} weights for "
         f"{len(cfg.rewards)} reward functions: give one per function (or none: all 1)",
+    )
+    require(
+        cfg.num_iterations >= 1,
+        f"objective.num_iterations={cfg.num_iterations} must be >= 1 (updates per generation)",
+    )
+    require(
+        cfg.steps_per_generation >= 1,
+        f"objective.steps_per_generation={cfg.steps_per_generation} must be >= 1",
+    )
+    levels = get_args(ImportanceSampling)
+    require(
+        cfg.importance_sampling_level in levels,
+        f"objective.importance_sampling_level={cfg.importance_sampling_level!r} is not "
+        f"supported; use one of: {', '.join(levels)}",
     )
     scalings = get_args(RewardScaling)
     require(

@@ -81,6 +81,8 @@ REFUSED = (
     "objective.reference",
     "objective.reference_weights",  # its identity (weights.lora_base: the caller puts it here)
     "objective.num_generations",  # the prompts each step reads
+    "objective.num_iterations",  # which steps sample, and the completions a checkpoint holds
+    "objective.steps_per_generation",
 )
 ALLOWED = (
     "model.name",
@@ -127,6 +129,7 @@ ALLOWED = (
     "objective.reward_weights",
     "objective.scale_rewards",
     "objective.mask_truncated_completions",
+    "objective.importance_sampling_level",
 )
 IGNORED = (
     "model.init_std",  # a resumed run is not initialised

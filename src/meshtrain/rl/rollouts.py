@@ -1,43 +1,54 @@
-"""The train batches of a policy-gradient run (objective=grpo): each step's completions sampled
-from the policy as the previous step left it, scored, and laid out as rows (meshtrain.rl.rows).
+"""The train batches of a policy-gradient run (objective=grpo): completions sampled from the
+policy, scored, and laid out as rows (meshtrain.rl.rows).
 
-Step s takes P prompts (meshtrain.rl.prompts) and samples objective.num_generations (G)
-completions of each: all P·G decode together as one batch on the training mesh
-(meshtrain.inference.generate's batched program: one prefill, then decode steps on the device
-until every row has stopped or objective.max_new_tokens; the prompts always padded to the width
-of the longest, so one program serves the run), from the train state's own sharded
-parameters (with LoRA, the base and its adapters; nothing is copied). The sampling key is derived
-from training.seed and the step, so a resumed run samples the same completions. The rewards
-(meshtrain.rl.rewards) and the advantages (meshtrain.rl.advantages) are computed on the host.
+A generation feeds objective.num_iterations (μ) × steps_per_generation (S) optimizer steps: at
+its first step it takes the prompts of S steps, P each (meshtrain.rl.prompts), and samples
+objective.num_generations (G) completions of each: all S·P·G decode together as one batch on the
+training mesh (meshtrain.inference.generate's batched program: one prefill, then decode steps on
+the device until every row has stopped or objective.max_new_tokens; the prompts always padded to
+the width of the longest, so one program serves the run), from the train state's own sharded
+parameters (with LoRA, the base and its adapters; nothing is copied), as the previous step left
+them. The sampling key is derived from training.seed and the generation's first step, so a
+resumed run samples the same completions. The rewards (meshtrain.rl.rewards) and the advantages
+(meshtrain.rl.advantages, over the whole generation) are computed on the host. Step i of the
+generation's S trains on the completions of its own prompts (whole groups), μ times over. With
+μ·S > 1 the policy that sampled also scores the completions before any update (the rows' old
+log-probabilities), and a checkpoint inside a generation keeps its rows (get_state), so a resumed
+run trains on exactly those.
 
 The loop hands the source the state after each step (`follow`) and then reads the next batch
 ahead (`prefetch`, its time counted as data wait, within the step's wall time): the rollout
 waits for the step it follows.
-Each step's record gets trl's rollout metrics (`logged`): reward, reward_std,
-frac_reward_zero_std, rewards/<function>/mean and /std, completions/mean_length, /min_length,
-/max_length, /clipped_ratio (the share that reached max_new_tokens unfinished), and the time
-split: rollout/wait_s (for the previous step's update, which it samples from),
-rollout/generate_s, rollout/score_s, rollout/tokens_per_sec.
+The record of a generation's first step gets trl's rollout metrics (`logged`): reward,
+reward_std, frac_reward_zero_std, rewards/<function>/mean and /std, completions/mean_length,
+/min_length, /max_length, /clipped_ratio (the share that reached max_new_tokens unfinished), and
+the time split: rollout/wait_s (for the previous step's update, which it samples from),
+rollout/generate_s, rollout/score_s (the rewards), rollout/old_log_probs_s (μ·S > 1),
+rollout/tokens_per_sec.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from meshtrain.config.objective import ObjectiveConfig
+from meshtrain.config.objective import ObjectiveConfig, generation_cycle
 from meshtrain.data.tokenizer import Tokenizer
 from meshtrain.inference.generate import generate_ids_batch, generation_program
 from meshtrain.models.abstract import AbstractModel, merge_model
 from meshtrain.rl.advantages import group_advantages, nanstd
 from meshtrain.rl.prompts import Prompt, PromptSet
 from meshtrain.rl.rewards import Rewards
-from meshtrain.rl.rows import completion_rows, with_advantages
+from meshtrain.rl.rows import completion_rows, token_columns, with_rollout
+
+# (params, frozen, tokens int32 [accum, micro, seq_len + 1]) → fp32 [accum, micro, seq_len]:
+# train.objectives.policy_gradient.sampling_log_probs, compiled.
+OldLogProbs = Callable[[Any, Any, jax.Array], jax.Array]
 
 
 def sampling_seed(seed: int, step: int) -> int:
@@ -60,15 +71,24 @@ class RolloutBatches:
         seed: int,
         sharding: NamedSharding,
         global_shape: Sequence[int],
+        old_log_probs: OldLogProbs | None = None,
     ) -> None:
         self.model, self.prompts, self.rewards, self.tokenizer = model, prompts, rewards, tokenizer
         self.cfg, self.seed = cfg, seed
         self._sharding, self._global_shape = sharding, tuple(global_shape)
         self.global_batch = prompts.per_step * cfg.num_generations
+        self.cycle = generation_cycle(cfg)  # steps a generation feeds
+        if self.cycle > 1 and old_log_probs is None:
+            raise ValueError("a generation that feeds several steps needs old_log_probs")
+        self._old_log_probs = old_log_probs
         self.step = 0  # the iterator step the next rollout is for (loop step step + 1)
         self._policy: Any = None
         self._ahead: jax.Array | None = None
         self._metrics: dict[int, dict[str, float]] = {}
+        # The rows of the generation that starts at iterator step _generation_start: int32
+        # [steps_per_generation, *global_shape], on the host.
+        self._generation: np.ndarray | None = None
+        self._generation_start = -1
 
     def follow(self, state: Any) -> None:
         """The policy the next rollouts sample from: the train state after the last step."""
@@ -84,7 +104,7 @@ class RolloutBatches:
 
     def prefetch(self) -> None:
         if self._ahead is None:
-            self._ahead = self._rollout(self.step)
+            self._ahead = self._batch(self.step)
             self.step += 1
 
     def position(self, step: int) -> int:
@@ -99,23 +119,51 @@ class RolloutBatches:
         return self._metrics.pop(step, {})
 
     def get_state(self) -> dict:
-        """The next step the loop takes (not the one read ahead)."""
-        return {"step": self.step - (self._ahead is not None)}
+        """The next step the loop takes (not the one read ahead) and, inside a generation, the
+        rows it still trains on (sampled by an earlier policy, so not sampled again)."""
+        step = self.step - (self._ahead is not None)
+        if step % self.cycle == 0:
+            return {"step": step}
+        return {"step": step, "generation": self._generation}
 
     def set_state(self, state: dict) -> None:
-        self._ahead, self.step = None, int(state["step"])
+        step = int(state["step"])
+        self._ahead, self.step = None, step
+        self._generation, self._generation_start = None, -1
+        if step % self.cycle:
+            generation = state.get("generation")
+            shape = (self.cfg.steps_per_generation, *self._global_shape)
+            if generation is None or tuple(generation.shape) != shape:
+                raise ValueError(
+                    f"the position of step {step}, inside a generation, holds no rows of shape "
+                    f"{shape}"
+                )
+            self._generation = np.asarray(generation)
+            self._generation_start = step - step % self.cycle
 
-    def _rollout(self, k: int) -> jax.Array:
-        """Iterator step k's batch: [accum, micro_global, seq_len + 2]."""
+    def _batch(self, k: int) -> jax.Array:
+        """Iterator step k's batch: [accum, micro_global, width], from its generation."""
+        start = k - k % self.cycle
+        if start != self._generation_start:
+            self._generation, self._generation_start = self._generate(start), start
+        index = (k - start) % self.cfg.steps_per_generation
+        return jax.device_put(self._generation[index], self._sharding)
+
+    def _generate(self, start: int) -> np.ndarray:
+        """The rows of the generation starting at iterator step `start`: int32
+        [steps_per_generation, accum, micro_global, width]."""
         if self._policy is None:
             raise RuntimeError("the rollouts follow no policy: call follow(state) first")
-        group = self.cfg.num_generations
-        prompts = [p for p in self.prompts.for_step(k) for _ in range(group)]
+        group, steps = self.cfg.num_generations, self.cfg.steps_per_generation
+        first = start // self.cycle * steps  # the prompts' step (the generations' before it)
+        prompts = [
+            p for i in range(steps) for p in self.prompts.for_step(first + i) for _ in range(group)
+        ]
         stop_ids = sorted({i for p in prompts for i in p.stop_ids})
         waiting = time.perf_counter()
         jax.block_until_ready(self._policy.params)  # the update this rollout follows
-        start = time.perf_counter()
-        completions = self._sample(prompts, stop_ids, sampling_seed(self.seed, k + 1))
+        begin = time.perf_counter()
+        completions = self._sample(prompts, stop_ids, sampling_seed(self.seed, start + 1))
         generated = time.perf_counter()
         finished = np.array([c.size > 0 and int(c[-1]) in stop_ids for c in completions])
         texts = [
@@ -131,12 +179,22 @@ class RolloutBatches:
         advantages = group_advantages(self.rewards.total(scores), group, self.cfg.scale_rewards)
         scored = time.perf_counter()
         trained = finished | (not self.cfg.mask_truncated_completions)
-        rows = completion_rows(
-            [p.ids for p in prompts], completions, trained, self._global_shape[-1] - 1
-        )
-        rows = with_advantages(rows, advantages.values).reshape(self._global_shape)
+        shape = (steps, *self._global_shape[:-1])
+        width = token_columns(self._global_shape[-1], buffered=self.cycle > 1)
+        tokens = completion_rows([p.ids for p in prompts], completions, trained, width)
+        tokens = tokens.reshape(*shape, width)
         lengths = np.array([c.size for c in completions])
-        self._metrics[k + 1] = {
+        metrics = {}
+        if self.cycle == 1:
+            rows = with_rollout(tokens, advantages.values.reshape(shape))
+        else:
+            share = np.sum(lengths * trained) / len(completions)  # dapo's count per row
+            old = self._score(tokens)
+            metrics["rollout/old_log_probs_s"] = time.perf_counter() - scored
+            rows = with_rollout(
+                tokens, advantages.values.reshape(shape), np.full(shape, share), old
+            )
+        self._metrics[start + 1] = {
             "reward": advantages.reward,
             "reward_std": advantages.reward_std,
             "frac_reward_zero_std": advantages.frac_reward_zero_std,
@@ -152,12 +210,29 @@ class RolloutBatches:
             "completions/min_length": float(lengths.min()),
             "completions/max_length": float(lengths.max()),
             "completions/clipped_ratio": float(np.mean(~finished)),
-            "rollout/wait_s": start - waiting,
-            "rollout/generate_s": generated - start,
+            "rollout/wait_s": begin - waiting,
+            "rollout/generate_s": generated - begin,
             "rollout/score_s": scored - generated,
-            "rollout/tokens_per_sec": float(lengths.sum()) / max(generated - start, 1e-9),
+            **metrics,
+            "rollout/tokens_per_sec": float(lengths.sum()) / max(generated - begin, 1e-9),
         }
-        return jax.device_put(rows, self._sharding)
+        return rows
+
+    def _score(self, tokens: np.ndarray) -> np.ndarray:
+        """fp32 [steps_per_generation, accum, micro_global, seq_len]: the old log-probabilities
+        of a generation's rows (tokens int32 [..., seq_len + 1]), under the policy that sampled
+        them, a step's rows at a time."""
+        state = self._policy
+        return np.stack(
+            [
+                np.asarray(
+                    self._old_log_probs(
+                        state.params, state.frozen, jax.device_put(step, self._sharding)
+                    )
+                )
+                for step in tokens
+            ]
+        )
 
     def _sample(self, prompts: list[Prompt], stop_ids: list[int], seed: int) -> list[np.ndarray]:
         """Each prompt's completion, sampled from the followed policy (int32 [≤ max_new_tokens],

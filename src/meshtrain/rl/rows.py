@@ -1,10 +1,22 @@
 """A sampled completion as a row of the train batch: its prompt's tokens (not trained, the first
 marked as the document's start), the completion's tokens (trained, up to and with the stop token;
-none trained when the completion is masked), padding (not trained), then one more column: the
-completion's advantage, its float32 bits in an int32, so that the row travels through the step's
-splits (accumulation, dp grouping) like any other (train.objectives.policy_gradient reads it)."""
+none trained when the completion is masked), padding (not trained), then what the loss reads of
+the rollout, as float32 bits in int32 columns, so that the row travels through the step's splits
+(accumulation, dp grouping) like any other (train.objectives.policy_gradient reads it):
+
+    [tokens: seq_len + 1][advantage: 1]                                     a generation a step
+    [tokens: seq_len + 1][advantage: 1][token share: 1][old: seq_len]       a generation feeds
+                                                                            several updates
+
+With objective.num_iterations × steps_per_generation > 1 the policy moves between sampling and
+the update, so a row also carries each target's log-probability under the policy that sampled
+it (old, 0 where the target carries no loss) and its share of the generation's completion
+tokens per step (dapo's count: the generation's completion tokens / steps_per_generation, split
+evenly over the rows of a step, as trl normalises a generation that spans several steps)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -32,13 +44,48 @@ def completion_rows(
     return rows
 
 
-def with_advantages(tokens: np.ndarray, advantages: np.ndarray) -> np.ndarray:
-    """Rows of tokens int32 [B, L] and advantages float [B] → int32 [B, L + 1], the advantage's
-    float32 bits last."""
-    bits = np.asarray(advantages, np.float32).view(np.int32)
-    return np.concatenate([np.asarray(tokens, np.int32), bits[:, None]], axis=1)
+def rollout_columns(seq_len: int, *, buffered: bool) -> int:
+    """The columns a row holds after its seq_len + 1 tokens (see the module docstring)."""
+    return 2 + seq_len if buffered else 1
 
 
-def split_advantages(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """with_advantages' rows, on the device → (tokens int32 [B, L], advantages fp32 [B])."""
-    return rows[:, :-1], jax.lax.bitcast_convert_type(rows[:, -1], jnp.float32)
+def token_columns(width: int, *, buffered: bool) -> int:
+    """The token columns (seq_len + 1) of rows `width` wide: rollout_columns' inverse."""
+    return (width - 1) // 2 if buffered else width - 1
+
+
+def with_rollout(
+    tokens: np.ndarray,
+    advantages: np.ndarray,
+    token_share: np.ndarray | None = None,
+    old_log_probs: np.ndarray | None = None,
+) -> np.ndarray:
+    """Rows of tokens int32 [..., L] with their advantages float [...] (and, for a generation
+    that feeds several updates, token shares float [...] and old log-probabilities float
+    [..., L − 1]) → int32 [..., L + rollout_columns(L − 1)]."""
+    columns = [advantages[..., None]]
+    if old_log_probs is not None:
+        columns += [token_share[..., None], old_log_probs]
+    bits = np.concatenate([np.asarray(c, np.float32) for c in columns], axis=-1).view(np.int32)
+    return np.concatenate([np.asarray(tokens, np.int32), bits], axis=-1)
+
+
+@dataclass(frozen=True)
+class RolloutRows:
+    """with_rollout's rows, read back on the device."""
+
+    tokens: jax.Array  # int32 [B, seq_len + 1]
+    advantages: jax.Array  # fp32 [B]
+    token_share: jax.Array | None  # fp32 [B]
+    old_log_probs: jax.Array | None  # fp32 [B, seq_len]
+
+
+def split_rollout(rows: jax.Array, *, buffered: bool) -> RolloutRows:
+    """with_rollout's rows int32 [B, W] → their parts (buffered: they carry the old
+    log-probabilities and token shares)."""
+    width = token_columns(rows.shape[-1], buffered=buffered)
+    tokens, rest = rows[:, :width], rows[:, width:]
+    floats = jax.lax.bitcast_convert_type(rest, jnp.float32)
+    if not buffered:
+        return RolloutRows(tokens, floats[:, 0], None, None)
+    return RolloutRows(tokens, floats[:, 0], floats[:, 1], floats[:, 2:])

@@ -10,10 +10,13 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
+from meshtrain.config.objective import generation_cycle
 from meshtrain.config.run_record import keep_run_record
 from meshtrain.config.schema import Config
 from meshtrain.hardware.deviceless import (
@@ -30,6 +33,7 @@ from meshtrain.observe.metrics import setup_logging
 from meshtrain.rl.rollouts import rollout_program
 from meshtrain.train.compilation import compile_train_step, inspect_compiled
 from meshtrain.train.describe import describe
+from meshtrain.train.objectives.policy_gradient import sampling_log_probs
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.setup import Setup, prepare
 from meshtrain.train.state import (
@@ -68,12 +72,14 @@ def dry_run(
     with jax.set_mesh(setup.mesh), compiling_for:
         start = time.perf_counter()
         # No data is read: nothing is padded, which changes neither memory nor communication.
-        compiled, _ = compile_train_step(setup, tx, shardings)
+        compiled, batch_sharding = compile_train_step(setup, tx, shardings)
         step = measure([compiled], time.perf_counter() - start)
         plan, _ = inspect_compiled(setup, compiled, tx, shardings, run_dir, is_main)
         # After the step, in a run's order (train.loop).
         init = _compile_initialisation(setup, tx, shardings)
-        rollout = _compile_rollout(setup, tx, shardings) if cfg.data.source == "prompts" else None
+        rollout = None
+        if cfg.data.source == "prompts":
+            rollout = _compile_rollout(setup, tx, shardings, batch_sharding)
         kernel, why = attention_choice(setup.model, cfg.training.mixed_precision)
     report = CompileReport(
         device=cfg.plan.target or setup.mesh.devices.flat[0].device_kind,
@@ -115,17 +121,28 @@ def _compile_initialisation(
 
 
 def _compile_rollout(
-    setup: Setup, tx: optax.GradientTransformation, shardings: TrainState
+    setup: Setup, tx: optax.GradientTransformation, shardings: TrainState, batch_sharding: Any
 ) -> ProgramCompile:
     """Compiles a policy-gradient run's sampling program (meshtrain.rl.rollouts; nothing runs)
-    from the train state's abstract parameters."""
+    from the train state's abstract parameters: a generation's completions, and, where it feeds
+    several steps, the program that scores them by the policy that sampled them."""
     state = abstract_train_state(setup.model, tx, shardings)
+    objective = setup.cfg.objective
     start = time.perf_counter()
-    program = rollout_program(
-        setup.model,
-        state,
-        setup.cfg.objective,
-        completions=setup.global_batch,
-        seq_len=setup.cfg.data.seq_len,
-    )
-    return measure([program.compile()], time.perf_counter() - start)
+    lowered = [
+        rollout_program(
+            setup.model,
+            state,
+            objective,
+            completions=setup.global_batch * objective.steps_per_generation,
+            seq_len=setup.cfg.data.seq_len,
+        )
+    ]
+    if generation_cycle(objective) > 1:
+        accum, micro, _ = setup.batch_shape
+        tokens = jax.ShapeDtypeStruct(
+            (accum, micro, setup.cfg.data.seq_len + 1), jnp.int32, sharding=batch_sharding
+        )
+        score = jax.jit(sampling_log_probs(setup.objective.inputs, setup.model))
+        lowered.append(score.lower(state.params, state.frozen, tokens))
+    return measure([program.compile() for program in lowered], time.perf_counter() - start)
