@@ -153,9 +153,7 @@ def test_a_run_resumed_inside_a_generation_trains_on_its_completions(tmp_path):
     )
     whole = train_tiny(tmp_path / "whole", *run, "training.steps=6", devices=1)
     train_tiny(tmp_path / "halves", *run, "training.steps=3", devices=1)
-    saved = json.loads(
-        (tmp_path / "halves" / "checkpoints" / "3" / "meta" / "metadata").read_text()
-    )
+    saved = read_meta(tmp_path / "halves" / "checkpoints" / "3")
     assert saved["data"] == {"step": 3} and saved["data_arrays"] == {
         "generation": {"shape": [2, 1, 16, 2 * 40 + 3], "dtype": "int32"}
     }
