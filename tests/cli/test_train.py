@@ -165,8 +165,8 @@ def test_help_lists_the_config_groups():
     assert result.returncode == 0, result.stderr
     for group in (
         "data: chat, preference, prepared, prompts, stdlib, synthetic, text",
-        "experiment: gemma3_270m_chat, gemma3_270m_dpo, qwen3_0_6b_chat, qwen3_0_6b_dpo, "
-        "tiny_fsdp, tiny_hybrid",
+        "experiment: gemma3_270m_chat, gemma3_270m_dpo, gemma3_270m_grpo, qwen3_0_6b_chat, "
+        "qwen3_0_6b_dpo, qwen3_0_6b_grpo, tiny_fsdp, tiny_hybrid",
         "model: gemma3_12b, gemma3_1b, gemma3_270m, gemma3_27b, gemma3_4b, llama3_1b, "
         "llama3_3b, llama3_8b, qwen3_0_6b, qwen3_1_7b, qwen3_4b, qwen3_8b, tiny",
         "objective: dpo, grpo, lm",

@@ -296,6 +296,36 @@ def test_shapes_and_functions_that_cannot_work_are_one_line_before_the_compile(
     assert str(error.value).startswith(message)
 
 
+@pytest.mark.parametrize(
+    ("experiment", "model", "family"),
+    [("gemma3_270m_grpo", "gemma3_270m", "gemma3"), ("qwen3_0_6b_grpo", "qwen3_0_6b", "qwen3")],
+)
+def test_the_grpo_experiments_compose_into_grpo_runs_of_their_model(
+    experiment, model, family, tmp_path
+):
+    tokenizer = REPO / "tests" / "fixtures" / "chat" / family
+    common = (
+        f"experiment={experiment}",
+        f"model.init_from=hf:{tmp_path}",
+        f"data.tokenizer={tokenizer}",
+        f"data.paths=[{PROMPTS}]",
+    )
+    cfg = compose_config(*common, "objective.rewards=[examples/rl/rewards.py:correct_sum]")
+    check_config(cfg)
+    assert (cfg.model.name, cfg.model.family, cfg.experiment.name) == (model, family, experiment)
+    assert (cfg.data.source, cfg.objective.name, cfg.objective.loss_type) == (
+        "prompts",
+        "grpo",
+        "dapo",
+    )
+    objective = cfg.objective
+    assert cfg.training.global_batch_size % objective.num_generations == 0
+    assert cfg.data.seq_len > objective.max_new_tokens and cfg.training.mixed_precision == "bf16"
+    assert cfg.training.learning_rate <= 1e-5 and objective.beta == 0
+    with pytest.raises(ConfigError, match=r"^objective.rewards is empty: "):
+        check_config(compose_config(*common))
+
+
 @pytest.mark.slow
 def test_a_dry_run_compiles_the_rollouts_sampling_program_too(tmp_path, capsys):
     """training.dry_run=true compiles the sampling program beside the step (with plan.target, for
