@@ -52,7 +52,11 @@ def test_a_module_path_loads_like_a_file():
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("short_answer", "objective.rewards[0]='short_answer' names no function; give "),
+        (
+            "short_answer",
+            "objective.rewards[0]='short_answer' names no function; give 'module:function', "
+            "'path/to/file.py:function' or a built-in (exact_match, format_match)",
+        ),
         ("missing.py:f", "objective.rewards[0]='missing.py:f': "),
         (
             "no_such_module_xyz:f",
@@ -62,7 +66,8 @@ def test_a_module_path_loads_like_a_file():
         (
             f"{EXAMPLE}:nothing",
             f"objective.rewards[0]='{EXAMPLE}:nothing': {EXAMPLE} has no "
-            "function 'nothing'; give 'module:function' or 'path/to/file.py:function'",
+            "function 'nothing'; give 'module:function', 'path/to/file.py:function' or a "
+            "built-in (exact_match, format_match)",
         ),
     ],
 )
@@ -72,9 +77,22 @@ def test_a_wrong_name_is_one_line(spec, message):
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
-def test_a_function_that_returns_too_few_rewards_is_named(tmp_path):
+def test_a_function_that_raises_or_returns_too_few_rewards_is_named_in_one_line(tmp_path):
     module = tmp_path / "short.py"
-    module.write_text("def one(completions, **kwargs):\n    return [1.0]\n")
-    rewards = Rewards([f"{module}:one"])
-    with pytest.raises(ValueError, match=r"^reward function one returned 1 rewards for 2 "):
-        rewards.score(["p", "p"], ["a", "b"], [[1], [2]], [{}, {}])
+    module.write_text(
+        "def one(completions, **kwargs):\n    return [1.0]\n"
+        "def fails(completions, answer, **kwargs):\n    return [1.0 / len(a) for a in answer]\n"
+    )
+    rewards = Rewards([f"{module}:fails", f"{module}:one"])
+    with pytest.raises(ConfigError) as error:
+        rewards.score(["p", "p"], ["a", "b"], [[1], [2]], [{"answer": "1"}, {"answer": ""}])
+    assert str(error.value) == (
+        "reward function fails (objective.rewards[0]) raised ZeroDivisionError: float division "
+        "by zero"
+    )
+    with pytest.raises(ConfigError) as error:
+        rewards.score(["p", "p"], ["a", "b"], [[1], [2]], [{"answer": "1"}, {"answer": "2"}])
+    assert str(error.value) == (
+        "reward function one (objective.rewards[1]) returned 1 rewards for 2 completions; "
+        "return one float (or None) per completion"
+    )

@@ -282,8 +282,14 @@ def test_bad_settings_are_one_line(overrides, message):
         (
             (f"objective.rewards=[{REPO}/examples/rl/rewards.py:nothing]",),
             f"objective.rewards[0]='{REPO}/examples/rl/rewards.py:nothing': {REPO}/examples/rl/"
-            "rewards.py has no function 'nothing'; give 'module:function' or "
-            "'path/to/file.py:function'",
+            "rewards.py has no function 'nothing'; give 'module:function', "
+            "'path/to/file.py:function' or a built-in (exact_match, format_match)",
+        ),
+        (
+            ("objective.rewards=[exact_match]", "objective.answer_column=solution"),
+            "objective.answer_column='solution': 400 of 400 records of data.paths have no such "
+            "column (a record's columns: answer); set objective.answer_column to the column "
+            "exact_match compares with",
         ),
     ],
 )

@@ -55,7 +55,13 @@ class ObjectiveConfig:
     top_p: float = 1.0
     """grpo: sample among the most likely tokens whose probabilities add up to top_p; in (0, 1]."""
     rewards: list[str] = field(default_factory=list)
-    """grpo: the reward functions, each "module:function" or "path/to/file.py:function", called as trl calls them: function(prompts=[...], completions=[...], completion_ids=[...], **the records' other columns) → one float (or None) per completion (docs/rl.md)."""
+    """grpo: the reward functions, each "module:function" or "path/to/file.py:function", called as trl calls them: function(prompts=[...], completions=[...], completion_ids=[...], **the records' other columns) → one float (or None) per completion (docs/rl.md); or a built-in: exact_match (the completion's answer against answer_column), format_match (the completion against format_pattern)."""
+    answer_column: str = "answer"
+    """grpo, exact_match: the records' column holding each prompt's answer."""
+    answer_pattern: str | None = None
+    """grpo, exact_match: a regular expression that finds the answer in a completion (its first group, or its whole match); null: the whole completion, stripped."""
+    format_pattern: str | None = None
+    """grpo, format_match: the regular expression a whole completion must match (`.` matches newlines)."""
     reward_weights: list[float] = field(default_factory=list)
     """grpo: each reward function's weight in the summed reward; empty: all 1."""
     scale_rewards: str = "group"  # RewardScaling

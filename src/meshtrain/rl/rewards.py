@@ -1,14 +1,16 @@
 """The reward functions of objective.rewards, loaded at start-up and called as trl's GRPOTrainer
 calls its reward functions.
 
-Each is named "module:function" (an importable module) or "path/to/file.py:function", and called
+Each is named "module:function" (an importable module), "path/to/file.py:function" or, for the
+built-ins (meshtrain.rl.builtin_rewards), by its name alone (exact_match, format_match), and called
 once per step with keyword arguments: prompts (each completion's prompt as the record wrote it: a
 string, or a list of messages), completions (the sampled text: a string, or for a list-of-messages
 prompt [{"role": "assistant", "content": text}]), completion_ids (each completion's token ids,
 with the stop token that ended it, as trl passes them) and every other column of the prompts'
 records, one value per completion. It returns one float per completion, or None where it does
 not apply. A completion's reward is the weighted sum (objective.reward_weights) of the functions
-that scored it; nan where none did (its advantage is then 0, meshtrain.rl.advantages).
+that scored it; nan where none did (its advantage is then 0, meshtrain.rl.advantages). A function
+that raises or returns the wrong number of rewards stops the run with one line naming it.
 """
 
 from __future__ import annotations
@@ -21,14 +23,23 @@ from typing import Any
 
 import numpy as np
 
-from meshtrain.errors import ConfigError
+from meshtrain.config.objective import ObjectiveConfig
+from meshtrain.errors import ConfigError, first_line
+from meshtrain.rl.builtin_rewards import BUILTIN_REWARDS, builtin_reward
 
 
-def load_reward_function(spec: str, key: str) -> Callable[..., Sequence[float | None]]:
-    """The function `spec` names ("module:function" or "file.py:function"); `key`: the config
-    key it came from, for the one-line error."""
+def load_reward_function(
+    spec: str, key: str, cfg: ObjectiveConfig | None = None
+) -> Callable[..., Sequence[float | None]]:
+    """The function `spec` names ("module:function", "file.py:function" or a built-in's name,
+    bound to the keys of `cfg`); `key`: the config key it came from, for the one-line error."""
+    if spec in BUILTIN_REWARDS:
+        return builtin_reward(spec, cfg or ObjectiveConfig(name="grpo"))
     where, _, name = spec.rpartition(":")
-    hint = "give 'module:function' or 'path/to/file.py:function'"
+    hint = (
+        f"give 'module:function', 'path/to/file.py:function' or a built-in "
+        f"({', '.join(BUILTIN_REWARDS)})"
+    )
     if not where or not name:
         raise ConfigError(f"{key}={spec!r} names no function; {hint}")
     try:
@@ -58,9 +69,15 @@ def load_reward_function(spec: str, key: str) -> Callable[..., Sequence[float | 
 class Rewards:
     """The reward functions of a run and their weights (see the module docstring)."""
 
-    def __init__(self, specs: Sequence[str], weights: Sequence[float] = ()) -> None:
+    def __init__(
+        self,
+        specs: Sequence[str],
+        weights: Sequence[float] = (),
+        cfg: ObjectiveConfig | None = None,
+    ) -> None:
         self.functions = [
-            load_reward_function(spec, f"objective.rewards[{i}]") for i, spec in enumerate(specs)
+            load_reward_function(spec, f"objective.rewards[{i}]", cfg)
+            for i, spec in enumerate(specs)
         ]
         self.names = [
             getattr(f, "__name__", spec) for f, spec in zip(self.functions, specs, strict=True)
@@ -79,15 +96,24 @@ class Rewards:
         extra = {key: [c.get(key) for c in columns] for key in columns[0]} if columns else {}
         scores = np.full((count, len(self.functions)), np.nan)
         for j, (function, name) in enumerate(zip(self.functions, self.names, strict=True)):
-            values = list(
-                function(
-                    prompts=prompts, completions=completions, completion_ids=completion_ids, **extra
+            try:
+                values = list(
+                    function(
+                        prompts=prompts,
+                        completions=completions,
+                        completion_ids=completion_ids,
+                        **extra,
+                    )
                 )
-            )
+            except Exception as err:  # the user's function: named, in one line
+                raise ConfigError(
+                    f"reward function {name} (objective.rewards[{j}]) raised "
+                    f"{type(err).__name__}: {first_line(err)}"
+                ) from err
             if len(values) != count:
-                raise ValueError(
-                    f"reward function {name} returned {len(values)} rewards for {count} "
-                    "completions; return one float (or None) per completion"
+                raise ConfigError(
+                    f"reward function {name} (objective.rewards[{j}]) returned {len(values)} "
+                    f"rewards for {count} completions; return one float (or None) per completion"
                 )
             scores[:, j] = [np.nan if v is None else float(v) for v in values]
         return scores

@@ -10,8 +10,8 @@ import jax
 
 from meshtrain.config.schema import Config
 from meshtrain.data.tokenizer import Tokenizer
-from meshtrain.errors import require
-from meshtrain.rl.prompts import PromptSet, read_prompts
+from meshtrain.errors import ConfigError, require
+from meshtrain.rl.prompts import Prompt, PromptSet, read_prompts
 from meshtrain.rl.rewards import Rewards
 
 
@@ -44,7 +44,7 @@ def rollout_data(cfg: Config, global_batch: int) -> RolloutData:
         "set training.steps (each step samples from training.global_batch_size / "
         "objective.num_generations prompts)",
     )
-    rewards = Rewards(objective.rewards, objective.reward_weights)
+    rewards = Rewards(objective.rewards, objective.reward_weights, objective)
     prompts, tokenizer = read_prompts(
         list(data.paths),
         tokenizer=data.tokenizer,
@@ -52,6 +52,8 @@ def rollout_data(cfg: Config, global_batch: int) -> RolloutData:
         prompt_key=data.prompt_key,
         on_bad_record=data.on_bad_record,
     )
+    if "exact_match" in objective.rewards:
+        _check_answer_column(objective.answer_column, prompts)
     prompt_set = PromptSet(prompts, per_step=global_batch // group, seed=cfg.training.seed)
     needed = prompt_set.longest + objective.max_new_tokens
     require(
@@ -62,3 +64,15 @@ def rollout_data(cfg: Config, global_batch: int) -> RolloutData:
         "objective.max_new_tokens)",
     )
     return RolloutData(prompt_set, rewards, tokenizer)
+
+
+def _check_answer_column(column: str, prompts: list[Prompt]) -> None:
+    """exact_match reads each record's answer: one line if a record lacks the column."""
+    lacking = [p for p in prompts if column not in p.columns]
+    if lacking:
+        has = ", ".join(sorted(lacking[0].columns)) or "none besides the prompt"
+        raise ConfigError(
+            f"objective.answer_column={column!r}: {len(lacking)} of {len(prompts)} records of "
+            f"data.paths have no such column (a record's columns: {has}); set "
+            "objective.answer_column to the column exact_match compares with"
+        )
