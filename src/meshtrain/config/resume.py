@@ -130,6 +130,9 @@ ALLOWED = (
     "objective.scale_rewards",
     "objective.mask_truncated_completions",
     "objective.importance_sampling_level",
+    "objective.answer_column",
+    "objective.answer_pattern",
+    "objective.format_pattern",
 )
 IGNORED = (
     "model.init_std",  # a resumed run is not initialised
