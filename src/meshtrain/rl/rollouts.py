@@ -19,12 +19,12 @@ run trains on exactly those.
 The loop hands the source the state after each step (`follow`) and then reads the next batch
 ahead (`prefetch`, its time counted as data wait, within the step's wall time): the rollout
 waits for the step it follows.
-The record of a generation's first step gets trl's rollout metrics (`logged`): reward,
-reward_std, frac_reward_zero_std, rewards/<function>/mean and /std, completions/mean_length,
-/min_length, /max_length, /clipped_ratio (the share that reached max_new_tokens unfinished), and
-the time split: rollout/wait_s (for the previous step's update, which it samples from),
-rollout/generate_s, rollout/score_s (the rewards), rollout/old_log_probs_s (μ·S > 1),
-rollout/tokens_per_sec.
+The record of each step gets the rollout metrics of the generation it trains on (`logged`), with
+trl's names: reward, reward_std, frac_reward_zero_std, rewards/<function>/mean and /std,
+completions/mean_length, /min_length, /max_length, /clipped_ratio (the share that reached
+max_new_tokens unfinished), and the time split of the generation's first step: rollout/wait_s
+(for the previous step's update, which it samples from), rollout/generate_s, rollout/score_s
+(the rewards), rollout/old_log_probs_s (μ·S > 1), rollout/tokens_per_sec.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class RolloutBatches:
         self.step = 0  # the iterator step the next rollout is for (loop step step + 1)
         self._policy: Any = None
         self._ahead: jax.Array | None = None
-        self._metrics: dict[int, dict[str, float]] = {}
+        self._metrics: dict[int, dict[str, float]] = {}  # by the generation's first step
         # The rows of the generation that starts at iterator step _generation_start: int32
         # [steps_per_generation, *global_shape], on the host.
         self._generation: np.ndarray | None = None
@@ -112,19 +112,22 @@ class RolloutBatches:
         return step * self.global_batch
 
     def logged(self, step: int) -> dict[str, float]:
-        """Loop step `step`'s rollout metrics (see the module docstring); those of the steps
-        before it, not logged, are dropped."""
-        for earlier in [s for s in self._metrics if s < step]:
+        """Loop step `step`'s rollout metrics: those of the generation it trains on (see the
+        module docstring); those of earlier generations are dropped."""
+        first = step - (step - 1) % self.cycle
+        for earlier in [s for s in self._metrics if s < first]:
             del self._metrics[earlier]
-        return self._metrics.pop(step, {})
+        return dict(self._metrics.get(first, {}))
 
     def get_state(self) -> dict:
         """The next step the loop takes (not the one read ahead) and, inside a generation, the
-        rows it still trains on (sampled by an earlier policy, so not sampled again)."""
+        rows it still trains on (sampled by an earlier policy, so not sampled again) and their
+        rollout metrics."""
         step = self.step - (self._ahead is not None)
         if step % self.cycle == 0:
             return {"step": step}
-        return {"step": step, "generation": self._generation}
+        metrics = self._metrics.get(self._generation_start + 1, {})
+        return {"step": step, "generation": self._generation, "generation_metrics": metrics}
 
     def set_state(self, state: dict) -> None:
         step = int(state["step"])
@@ -140,6 +143,7 @@ class RolloutBatches:
                 )
             self._generation = np.asarray(generation)
             self._generation_start = step - step % self.cycle
+            self._metrics = {self._generation_start + 1: dict(state["generation_metrics"])}
 
     def _batch(self, k: int) -> jax.Array:
         """Iterator step k's batch: [accum, micro_global, width], from its generation."""
