@@ -36,9 +36,19 @@ class TinyPolicy:
         `weights`, log_softmax over the whole logits. Zeros after the sequence (which a causal
         model does not read) give every call one shape, so its eager ops compile once."""
         padded = np.pad(ids, (0, length - len(ids)))
+        log_probs = self._log_softmax_alone(weights, padded)
+        return jnp.take_along_axis(log_probs, padded[1:, None], axis=-1)[:, 0]
+
+    def entropies_alone(self, weights: Any, ids: np.ndarray, length: int) -> jax.Array:
+        """fp32 [length - 1]: the entropy of the prediction after each of ids[:t + 1], the
+        sequence alone (padded as log_probs_alone pads it)."""
+        log_probs = self._log_softmax_alone(weights, np.pad(ids, (0, length - len(ids))))
+        return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+
+    def _log_softmax_alone(self, weights: Any, padded: np.ndarray) -> jax.Array:
         nnx.replace_by_pure_dict(self.state, weights)
         logits = nnx.merge(self.graphdef, self.state)(jnp.asarray(padded[None, :-1]))[0]
-        return jnp.take_along_axis(jax.nn.log_softmax(logits), padded[1:, None], axis=-1)[:, 0]
+        return jax.nn.log_softmax(logits)
 
 
 def tiny_policy() -> TinyPolicy:

@@ -194,6 +194,11 @@ def test_the_loss_and_gradients_of_rows_are_those_of_each_completion_alone(
     for ours, theirs in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
         np.testing.assert_allclose(ours / count, theirs, rtol=1e-4, atol=2e-7)
     metrics = objective.metrics(sums)
+    # trl's entropy: the policy's, of its prediction at each completion token, their mean.
+    entropies = [policy.entropies_alone(params, ids, LENGTH) for ids, _ in sequences]
+    masks = [completion_log_probs(policy, params, ids, p)[1] for ids, p in sequences]
+    expected_entropy = sum(float(np.sum(e * m)) for e, m in zip(entropies, masks, strict=True))
+    np.testing.assert_allclose(metrics["entropy"], expected_entropy / completions, rtol=1e-5)
     if old is None:
         assert metrics["clip_ratio/region_mean"] == 0.0  # one update per rollout: the ratio is 1
     else:

@@ -73,18 +73,31 @@ def test_pair_losses_are_the_published_formulas(loss_type, smoothing):
     np.testing.assert_allclose(ours, expected, rtol=2e-6)
 
 
-def test_target_log_probs_are_log_softmax_in_any_chunks():
+def test_target_log_probs_and_entropies_are_log_softmaxs_in_any_chunks():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(3, 29, 16)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(40, 16)) / 4, jnp.float32)
     targets = jnp.asarray(rng.integers(0, 40, (3, 29)), jnp.int32)
     log_probs = jax.nn.log_softmax(jnp.einsum("BTD,VD->BTV", x, w), axis=-1)
     expected = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    entropies = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    assert 1.0 < float(entropies.min()) < float(entropies.max()) < np.log(40)
     for chunk_rows in (3 * 29, 3 * 8, 3):
         ours = target_log_probs(
             x, w, "VD", targets, rules=DEFAULT_LOGICAL_AXIS_RULES, chunk_rows=chunk_rows
         )
         np.testing.assert_allclose(ours, expected, rtol=1e-6, atol=1e-6)
+        ours, entropy = target_log_probs(
+            x,
+            w,
+            "VD",
+            targets,
+            rules=DEFAULT_LOGICAL_AXIS_RULES,
+            chunk_rows=chunk_rows,
+            entropy=True,
+        )
+        np.testing.assert_allclose(ours, expected, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(entropy, entropies, rtol=1e-5)
 
 
 # Two rows of packed pairs: (prompt length, chosen answer, rejected answer) token counts.

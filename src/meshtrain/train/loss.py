@@ -210,12 +210,15 @@ def target_log_probs(
     *,
     rules: Any,
     chunk_rows: int | None = None,
-) -> jax.Array:
+    entropy: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """log_softmax(x · weight)[targets] in fp32 [B, T], read in chunks of about `chunk_rows`
     (default LOSS_CHUNK_ROWS) tokens per device as output_cross_entropy reads them: x [B, T, D]
-    (final-normed hidden states), weight [V, D] ("VD") or [D, V] ("DV"), targets int32 [B, T].
-    Not differentiated (a preference loss differentiates through output_cross_entropy with each
-    token's weight instead): no [B, T, V] array, no gradient program."""
+    (final-normed hidden states), weight [V, D] ("VD") or [D, V] ("DV"), targets int32 [B, T];
+    with `entropy`, also each position's entropy of the softmax, −Σ_v p_v log p_v, fp32 [B, T],
+    from the same pass over the logits. Not differentiated (a preference loss differentiates
+    through output_cross_entropy with each token's weight instead): no [B, T, V] array, no
+    gradient program."""
     batch, length, _ = x.shape
     shards = _batch_shards(batch, rules)
     chunk_rows = LOSS_CHUNK_ROWS if chunk_rows is None else chunk_rows
@@ -233,10 +236,18 @@ def target_log_probs(
         logits = jnp.einsum(f"BTD,{layout}->BTV", xc, weight)
         logits = constrain(logits, ("batch", "length", "vocab"), rules).astype(jnp.float32)
         top = jnp.max(logits, axis=-1, keepdims=True)
-        lse = top[..., 0] + jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
-        return _target_logits(logits, tc, shards > 1) - lse  # [B, c]
+        exp = jnp.exp(logits - top)
+        total = jnp.sum(exp, axis=-1)
+        lse = top[..., 0] + jnp.log(total)
+        log_probs = _target_logits(logits, tc, shards > 1) - lse  # [B, c]
+        if not entropy:
+            return log_probs
+        return log_probs, lse - jnp.sum(exp * logits, axis=-1) / total  # H = lse − E_p[logit]
 
     xs = jnp.moveaxis(x.reshape(batch, num_chunks, chunk, -1), 1, 0)  # [chunks, B, c, D]
     ts = jnp.moveaxis(targets.reshape(batch, num_chunks, chunk), 1, 0)
-    log_probs = jax.lax.map(chunk_log_probs, (xs, ts))  # [chunks, B, c]
-    return jnp.moveaxis(log_probs, 0, 1).reshape(batch, padded)[:, :length]
+    per_chunk_out = jax.lax.map(chunk_log_probs, (xs, ts))  # [chunks, B, c] (each)
+    outputs = jax.tree.map(
+        lambda a: jnp.moveaxis(a, 0, 1).reshape(batch, padded)[:, :length], per_chunk_out
+    )
+    return outputs

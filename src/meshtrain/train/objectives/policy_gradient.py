@@ -22,8 +22,9 @@ objective.loss_type, over its completions (rows) and their tokens:
             generation that feeds several steps, over its completion tokens / steps_per_generation
             (trl's normalisation)
 
-each a sum over rows and a count that add up over any split of the batch. Metrics: kl (β > 0),
-the mean over the completion tokens; clip_ratio/low_mean (r_t < 1 − ε where A < 0),
+each a sum over rows and a count that add up over any split of the batch. Metrics: kl (β > 0)
+and entropy (the policy's, of its prediction at each completion token), means over the
+completion tokens; clip_ratio/low_mean (r_t < 1 − ε where A < 0),
 clip_ratio/high_mean (r_t > 1 + ε_h where A > 0), clip_ratio/region_mean (either), means over
 the completion tokens (token level) or over the completions (sequence level), as trl logs them.
 The gradient and the reference: train.objectives.token_scores.
@@ -112,7 +113,7 @@ class GroupRelative(Objective):
         super().__init__(inputs, cfg)
         self.reads_reference = reads_reference(cfg)
         self.buffered = generation_cycle(cfg) > 1  # the rows carry the sampling policy's scores
-        self.metric_names = (*(("kl",) if self.reads_reference else ()), *CLIP_METRICS)
+        self.metric_names = (*(("kl",) if self.reads_reference else ()), "entropy", *CLIP_METRICS)
 
     def extra_columns(self, seq_len: int) -> int:
         return rollout_columns(seq_len, buffered=self.buffered)
@@ -126,7 +127,9 @@ class GroupRelative(Objective):
         dropout: AdapterDropout | None = None,
     ) -> Sums:
         rollout = split_rollout(rows, buffered=self.buffered)
-        policy = policy_scores(self.inputs, model, params, frozen, rollout.tokens, dropout)
+        policy = policy_scores(
+            self.inputs, model, params, frozen, rollout.tokens, dropout, entropy=True
+        )
         mask = policy.mask
         ref = None
         if self.reads_reference:
@@ -152,14 +155,14 @@ class GroupRelative(Objective):
         }
         rows_count = jnp.asarray(mask.shape[0], jnp.float32)
         sums = {"loss": loss, "count": count, "tokens": jnp.sum(mask), "rows": rows_count}
-        return sums | metric_sums
+        return sums | metric_sums | {"entropy": jnp.sum(policy.entropy * mask)}
 
     def metrics(self, sums: Sums) -> dict[str, Any]:
         tokens = sums["tokens"]
         tokens = tokens + (tokens == 0)  # no completion token: the metrics are 0, not nan
         per_completion = self.cfg.importance_sampling_level == "sequence"
         return super().metrics(sums) | {
-            name: sums[name] / (sums["rows"] if per_completion and name != "kl" else tokens)
+            name: sums[name] / (sums["rows"] if per_completion and name in CLIP_METRICS else tokens)
             for name in self.metric_names
         }
 

@@ -40,6 +40,7 @@ class TokenScores:
     rules: Any  # the logical axis rules
     positions: jax.Array | None
     inputs: jax.Array  # int32 [B, T]
+    entropy: jax.Array | None = None  # fp32 [B, T], the policy's at each position, if asked
 
     def loss_with_gradient(self, loss: jax.Array, coefficients: jax.Array) -> jax.Array:
         """`loss` (its value), with the gradient Σ_t c_t ∇log p_t: coefficients fp32 [B, T] are
@@ -57,16 +58,30 @@ def policy_scores(
     frozen: Any,
     rows: jax.Array,
     dropout: AdapterDropout | None = None,
+    *,
+    entropy: bool = False,
 ) -> TokenScores:
-    """The policy's log-probability of each target of `rows` (tokens [B, seq_len + 1])."""
+    """The policy's log-probability of each target of `rows` (tokens [B, seq_len + 1]), and with
+    `entropy` the entropy of its prediction at each position."""
     dtype = inputs.compute_dtype
     tokens, targets, mask, segment_ids, positions = inputs.token_format.read(rows)
     net = merge_model(model, cast_params(model, model.full_params(params, frozen), dtype))
     hidden = net.hidden(tokens, positions, segment_ids, dropout, in_layout=True)
     weight, layout = net.output_weight()
-    log_probs = target_log_probs(hidden, weight, layout, targets, rules=net.rules)
+    scores = target_log_probs(hidden, weight, layout, targets, rules=net.rules, entropy=entropy)
+    log_probs, entropies = scores if entropy else (scores, None)
     return TokenScores(
-        targets, mask, segment_ids, log_probs, hidden, weight, layout, net.rules, positions, tokens
+        targets,
+        mask,
+        segment_ids,
+        log_probs,
+        hidden,
+        weight,
+        layout,
+        net.rules,
+        positions,
+        tokens,
+        entropies,
     )
 
 
