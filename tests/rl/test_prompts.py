@@ -14,7 +14,7 @@ from helpers.paths import REPO
 
 from meshtrain.data.chat.encoder import build_chat_encoder
 from meshtrain.errors import DataError
-from meshtrain.rl.prompts import PromptSet, read_prompts
+from meshtrain.rl.prompts import PromptSet, padded_width, read_prompts
 
 GEMMA = str(REPO / "tests" / "fixtures" / "chat" / "gemma3")
 
@@ -73,7 +73,8 @@ def test_each_step_reads_the_prompts_its_number_gives_and_each_epoch_reads_all(t
     assert first_epochs[:10] != first_epochs[10:]  # each epoch its own order
     again = PromptSet(prompts, per_step=4, seed=3)
     assert [p.prompt for p in again.for_step(3)] == first_epochs[12:16]  # the step alone
-    assert steps.longest == max(p.ids.size for p in prompts)
-    assert steps.width == -(-steps.longest // 8) * 8 and steps.width % 8 == 0
+    longest = max(p.ids.size for p in prompts)
+    width = padded_width(prompts[:2], prompts)  # the longest of every list, rounded up to 8
+    assert width % 8 == 0 and longest <= width < longest + 8
     other = PromptSet(prompts, per_step=4, seed=4)
     assert [p.prompt for p in other.for_step(0)] != first_epochs[:4]

@@ -19,6 +19,7 @@ from helpers.runs import train_tiny
 from meshtrain.checkpoint.layout import read_meta
 from meshtrain.config.validate import check_config
 from meshtrain.errors import ConfigError
+from meshtrain.rl.sampling import Sampler, sampling_seed
 from meshtrain.train.dry_run import dry_run
 from meshtrain.train.setup import prepare
 
@@ -301,6 +302,43 @@ def test_shapes_and_functions_that_cannot_work_are_one_line_before_the_compile(
     with pytest.raises(ConfigError) as error:
         prepare(cfg, jax.devices()[:1])
     assert str(error.value).startswith(message)
+
+
+def test_held_out_prompts_are_sampled_and_scored_at_each_evaluation(tmp_path):
+    """data.validation_paths' prompts: G completions each, with the same keys at every
+    evaluation, scored by the run's rewards and logged as val_<metric>; what is logged at the
+    last step is what those prompts' completions from the final state score."""
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(PROMPTS.read_text().splitlines(keepends=True)[:3]))
+    result = train_tiny(
+        tmp_path / "run",
+        *_grpo_overrides(tmp_path),
+        f"data.validation_paths=[{held_out}]",
+        "training.eval_every=2",
+        devices=1,
+    )
+    evaluated = [h["step"] for h in result.history if "val_reward" in h]
+    assert evaluated == [2, 3]  # every 2 steps and the last
+    last = result.history[-1]
+    validation = result.setup.rollouts.validation
+    assert len(validation) == 3
+    sampler = Sampler(
+        result.setup.model,
+        result.setup.rollouts.rewards,
+        result.setup.rollouts.tokenizer,
+        result.setup.cfg.objective,
+        width=result.setup.rollouts.width,
+    )
+    prompts = [p for p in validation for _ in range(4)]  # 12 completions: one batch of 16
+    padded = prompts + [prompts[0]] * 4
+    with jax.set_mesh(result.setup.mesh):
+        completions = sampler.sample(result.state, padded, sampling_seed(0, 0))[:12]
+    low = [sum(i < 256 for i in c) / len(c) for c in completions]
+    np.testing.assert_allclose(last["val_reward"], np.mean(low), rtol=1e-6)
+    np.testing.assert_allclose(last["val_rewards/low_ids/mean"], np.mean(low), rtol=1e-6)
+    lengths = [c.size for c in completions]
+    assert last["val_completions/mean_length"] == np.mean(lengths)
+    assert last["val_completions/max_length"] == max(lengths) <= 12
 
 
 @pytest.mark.parametrize(

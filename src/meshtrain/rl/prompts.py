@@ -54,16 +54,6 @@ class PromptSet:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    @functools.cached_property
-    def longest(self) -> int:
-        return max(p.ids.size for p in self.prompts)
-
-    @functools.cached_property
-    def width(self) -> int:
-        """The padded width of every step's prompts: the longest, rounded up to a multiple of 8
-        (one sampling program for the whole run)."""
-        return -(-self.longest // 8) * 8
-
     def for_step(self, k: int) -> list[Prompt]:
         """Iterator step k's prompts (k from 0)."""
         positions = range(k * self.per_step, (k + 1) * self.per_step)
@@ -74,6 +64,13 @@ class PromptSet:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self))
 
 
+def padded_width(*prompt_lists: list[Prompt]) -> int:
+    """The width every prompt of a run is padded to: the longest, rounded up to a multiple of 8
+    (one sampling program for the whole run)."""
+    longest = max(p.ids.size for prompts in prompt_lists for p in prompts)
+    return -(-longest // 8) * 8
+
+
 def read_prompts(
     paths: list[str],
     *,
@@ -81,11 +78,12 @@ def read_prompts(
     chat_template: str | None,
     prompt_key: str,
     on_bad_record: str,
+    key: str = "data.paths",
 ) -> tuple[list[Prompt], Tokenizer]:
-    """Every prompt of the record files `paths` (data.paths), encoded (see the module
+    """Every prompt of the record files `paths` (the config's `key`), encoded (see the module
     docstring), and the tokenizer that encoded them; a record without `prompt_key` is a bad
     record (data.on_bad_record)."""
-    files, _ = resolve_paths(paths, key="data.paths", records_only=True)
+    files, _ = resolve_paths(paths, key=key, records_only=True)
     encoder = build_chat_encoder(tokenizer, chat_template)
     bad = BadRecords()
     prompts = []

@@ -1,30 +1,24 @@
 """The train batches of a policy-gradient run (objective=grpo): completions sampled from the
-policy, scored, and laid out as rows (meshtrain.rl.rows).
+policy and scored (meshtrain.rl.sampling), laid out as rows (meshtrain.rl.rows).
 
 A generation feeds objective.num_iterations (μ) × steps_per_generation (S) optimizer steps: at
 its first step it takes the prompts of S steps, P each (meshtrain.rl.prompts), and samples
-objective.num_generations (G) completions of each: all S·P·G decode together as one batch on the
-training mesh (meshtrain.inference.generate's batched program: one prefill, then decode steps on
-the device until every row has stopped or objective.max_new_tokens; the prompts always padded to
-the width of the longest, so one program serves the run), from the train state's own sharded
-parameters (with LoRA, the base and its adapters; nothing is copied), as the previous step left
-them. The sampling key is derived from training.seed and the generation's first step, so a
-resumed run samples the same completions. The rewards (meshtrain.rl.rewards) and the advantages
-(meshtrain.rl.advantages, over the whole generation) are computed on the host. Step i of the
-generation's S trains on the completions of its own prompts (whole groups), μ times over. With
-μ·S > 1 the policy that sampled also scores the completions before any update (the rows' old
-log-probabilities), and a checkpoint inside a generation keeps its rows (get_state), so a resumed
-run trains on exactly those.
+objective.num_generations (G) completions of each, all S·P·G as one batch, from the train state
+as the previous step left it. The sampling key is derived from training.seed and the
+generation's first step, so a resumed run samples the same completions. The advantages are
+computed over the whole generation. Step i of the generation's S trains on the completions of
+its own prompts (whole groups), μ times over. With μ·S > 1 the policy that sampled also scores
+the completions before any update (the rows' old log-probabilities), and a checkpoint inside a
+generation keeps its rows and rollout metrics (get_state), so a resumed run trains on exactly
+those.
 
 The loop hands the source the state after each step (`follow`) and then reads the next batch
 ahead (`prefetch`, its time counted as data wait, within the step's wall time): the rollout
 waits for the step it follows.
-The record of each step gets the rollout metrics of the generation it trains on (`logged`), with
-trl's names: reward, reward_std, frac_reward_zero_std, rewards/<function>/mean and /std,
-completions/mean_length, /min_length, /max_length, /clipped_ratio (the share that reached
-max_new_tokens unfinished), and the time split of the generation's first step: rollout/wait_s
-(for the previous step's update, which it samples from), rollout/generate_s, rollout/score_s
-(the rewards), rollout/old_log_probs_s (μ·S > 1), rollout/tokens_per_sec.
+The record of each step gets the rollout metrics of the generation it trains on (`logged`):
+trl's (meshtrain.rl.sampling.Scored.metrics), and the time split of the generation's first step:
+rollout/wait_s (for the previous step's update, which it samples from), rollout/generate_s,
+rollout/score_s (the rewards), rollout/old_log_probs_s (μ·S > 1), rollout/tokens_per_sec.
 """
 
 from __future__ import annotations
@@ -38,22 +32,15 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from meshtrain.config.objective import ObjectiveConfig, generation_cycle
-from meshtrain.data.tokenizer import Tokenizer
-from meshtrain.inference.generate import generate_ids_batch, generation_program
+from meshtrain.inference.generate import generation_program
 from meshtrain.models.abstract import AbstractModel, merge_model
-from meshtrain.rl.advantages import group_advantages, nanstd
-from meshtrain.rl.prompts import Prompt, PromptSet
-from meshtrain.rl.rewards import Rewards
+from meshtrain.rl.prompts import PromptSet
 from meshtrain.rl.rows import completion_rows, token_columns, with_rollout
+from meshtrain.rl.sampling import Sampler, sampling_seed
 
 # (params, frozen, tokens int32 [accum, micro, seq_len + 1]) → fp32 [accum, micro, seq_len]:
 # train.objectives.policy_gradient.sampling_log_probs, compiled.
 OldLogProbs = Callable[[Any, Any, jax.Array], jax.Array]
-
-
-def sampling_seed(seed: int, step: int) -> int:
-    """The sampling seed of loop step `step` (from 1) of a run with training.seed `seed`."""
-    return int(np.random.default_rng([seed, step]).integers(2**31))
 
 
 class RolloutBatches:
@@ -62,19 +49,16 @@ class RolloutBatches:
 
     def __init__(
         self,
-        model: AbstractModel,
+        sampler: Sampler,
         prompts: PromptSet,
-        rewards: Rewards,
-        tokenizer: Tokenizer,
-        cfg: ObjectiveConfig,
         *,
         seed: int,
         sharding: NamedSharding,
         global_shape: Sequence[int],
         old_log_probs: OldLogProbs | None = None,
     ) -> None:
-        self.model, self.prompts, self.rewards, self.tokenizer = model, prompts, rewards, tokenizer
-        self.cfg, self.seed = cfg, seed
+        cfg = sampler.cfg
+        self.sampler, self.prompts, self.cfg, self.seed = sampler, prompts, cfg, seed
         self._sharding, self._global_shape = sharding, tuple(global_shape)
         self.global_batch = prompts.per_step * cfg.num_generations
         self.cycle = generation_cycle(cfg)  # steps a generation feeds
@@ -163,61 +147,37 @@ class RolloutBatches:
         prompts = [
             p for i in range(steps) for p in self.prompts.for_step(first + i) for _ in range(group)
         ]
-        stop_ids = sorted({i for p in prompts for i in p.stop_ids})
         waiting = time.perf_counter()
         jax.block_until_ready(self._policy.params)  # the update this rollout follows
         begin = time.perf_counter()
-        completions = self._sample(prompts, stop_ids, sampling_seed(self.seed, start + 1))
-        generated = time.perf_counter()
-        finished = np.array([c.size > 0 and int(c[-1]) in stop_ids for c in completions])
-        texts = [
-            self.tokenizer.decode(c[:-1] if f else c)
-            for c, f in zip(completions, finished, strict=True)
-        ]
-        scores = self.rewards.score(
-            [p.prompt for p in prompts],
-            [_completion(p, t) for p, t in zip(prompts, texts, strict=True)],
-            [c.tolist() for c in completions],
-            [p.columns for p in prompts],
+        completions = self.sampler.sample(
+            self._policy, prompts, sampling_seed(self.seed, start + 1)
         )
-        advantages = group_advantages(self.rewards.total(scores), group, self.cfg.scale_rewards)
-        scored = time.perf_counter()
-        trained = finished | (not self.cfg.mask_truncated_completions)
+        generated = time.perf_counter()
+        scored = self.sampler.score(prompts, completions)
+        times = {
+            "rollout/generate_s": generated - begin,
+            "rollout/score_s": time.perf_counter() - generated,
+        }
+        trained = scored.finished | (not self.cfg.mask_truncated_completions)
         shape = (steps, *self._global_shape[:-1])
         width = token_columns(self._global_shape[-1], buffered=self.cycle > 1)
         tokens = completion_rows([p.ids for p in prompts], completions, trained, width)
         tokens = tokens.reshape(*shape, width)
+        advantages = scored.advantages.values.reshape(shape)
         lengths = np.array([c.size for c in completions])
-        metrics = {}
         if self.cycle == 1:
-            rows = with_rollout(tokens, advantages.values.reshape(shape))
+            rows = with_rollout(tokens, advantages)
         else:
             share = np.sum(lengths * trained) / len(completions)  # dapo's count per row
+            scoring = time.perf_counter()
             old = self._score(tokens)
-            metrics["rollout/old_log_probs_s"] = time.perf_counter() - scored
-            rows = with_rollout(
-                tokens, advantages.values.reshape(shape), np.full(shape, share), old
-            )
+            times["rollout/old_log_probs_s"] = time.perf_counter() - scoring
+            rows = with_rollout(tokens, advantages, np.full(shape, share), old)
         self._metrics[start + 1] = {
-            "reward": advantages.reward,
-            "reward_std": advantages.reward_std,
-            "frac_reward_zero_std": advantages.frac_reward_zero_std,
-            **{
-                metric: value
-                for j, name in enumerate(self.rewards.names)
-                for metric, value in (
-                    (f"rewards/{name}/mean", float(np.nanmean(scores[:, j]))),
-                    (f"rewards/{name}/std", float(nanstd(scores[:, j]))),
-                )
-            },
-            "completions/mean_length": float(lengths.mean()),
-            "completions/min_length": float(lengths.min()),
-            "completions/max_length": float(lengths.max()),
-            "completions/clipped_ratio": float(np.mean(~finished)),
+            **scored.metrics(self.sampler.rewards.names),
             "rollout/wait_s": begin - waiting,
-            "rollout/generate_s": generated - begin,
-            "rollout/score_s": scored - generated,
-            **metrics,
+            **times,
             "rollout/tokens_per_sec": float(lengths.sum()) / max(generated - begin, 1e-9),
         }
         return rows
@@ -238,24 +198,6 @@ class RolloutBatches:
             ]
         )
 
-    def _sample(self, prompts: list[Prompt], stop_ids: list[int], seed: int) -> list[np.ndarray]:
-        """Each prompt's completion, sampled from the followed policy (int32 [≤ max_new_tokens],
-        with the stop id that ended it, if one did)."""
-        state, cfg = self._policy, self.cfg
-        net = merge_model(self.model, self.model.full_params(state.params, state.frozen))
-        return generate_ids_batch(
-            net,
-            [p.ids for p in prompts],
-            cfg.max_new_tokens,
-            cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
-            stop_ids=stop_ids,
-            vocab_size=min(self.tokenizer.vocab_size, self.model.config.vocab_size),
-            seed=seed,
-            bucket=self.prompts.width,
-        )
-
 
 def rollout_program(
     model: AbstractModel, state: Any, cfg: ObjectiveConfig, *, completions: int, seq_len: int
@@ -274,9 +216,3 @@ def rollout_program(
         top_k=cfg.top_k,
         top_p=cfg.top_p,
     )
-
-
-def _completion(prompt: Prompt, text: str) -> Any:
-    """A completion as trl hands it to reward functions: the text, or for a conversation one
-    assistant message."""
-    return [{"role": "assistant", "content": text}] if prompt.conversational else text

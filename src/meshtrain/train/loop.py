@@ -29,6 +29,7 @@ from meshtrain.observe.metrics import MetricsWriter, setup_logging
 from meshtrain.observe.progress import phase
 from meshtrain.observe.throughput import ThroughputMeter
 from meshtrain.rl.rollouts import OldLogProbs, RolloutBatches
+from meshtrain.rl.sampling import Sampler, ValidationRollouts
 from meshtrain.train.batch import BatchSource, DeviceBatches, process_rows
 from meshtrain.train.compilation import compile_train_step, inspect_compiled, throughput_meter
 from meshtrain.train.describe import describe
@@ -39,7 +40,7 @@ from meshtrain.train.hooks.epochs import EpochLog
 from meshtrain.train.hooks.harness import harness_tasks
 from meshtrain.train.hooks.profiler import Profiler
 from meshtrain.train.hooks.step_metrics import StepClock, StepMetrics
-from meshtrain.train.hooks.validation import ValidationLoss
+from meshtrain.train.hooks.validation import ValidationLoss, ValidationMetrics
 from meshtrain.train.objectives.policy_gradient import sampling_log_probs
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.reference_scores import score_datasets
@@ -193,11 +194,8 @@ def _batch_iterator(setup: Setup, batch_sharding: NamedSharding) -> BatchSource:
     if setup.rollouts is not None:
         rollouts, cfg = setup.rollouts, setup.cfg
         return RolloutBatches(
-            setup.model,
+            _sampler(setup),
             rollouts.prompts,
-            rollouts.rewards,
-            rollouts.tokenizer,
-            cfg.objective,
             seed=cfg.training.seed,
             sharding=batch_sharding,
             global_shape=setup.batch_shape,
@@ -214,6 +212,18 @@ def _batch_iterator(setup: Setup, batch_sharding: NamedSharding) -> BatchSource:
         workers=setup.cfg.data.workers,
     )
     return DeviceBatches(host_batches, batch_sharding, setup.batch_shape)
+
+
+def _sampler(setup: Setup) -> Sampler:
+    """What samples a policy-gradient run's completions and scores them."""
+    rollouts = setup.rollouts
+    return Sampler(
+        setup.model,
+        rollouts.rewards,
+        rollouts.tokenizer,
+        setup.cfg.objective,
+        width=rollouts.width,
+    )
 
 
 def _old_log_probs_program(setup: Setup) -> OldLogProbs | None:
@@ -281,12 +291,20 @@ def _starting_params(
 
 def _evaluation_hooks(setup: Setup, shardings: TrainState) -> list[Hook]:
     """The evaluations of the state after a step, in order: the validation loss (where
-    training.eval_every and held-out data give one), the lm-eval harness (eval.harness)."""
+    training.eval_every and held-out data give one) or a policy-gradient run's validation
+    rollouts (its held-out prompts), the lm-eval harness (eval.harness)."""
     hooks: list[Hook] = []
+    every = setup.cfg.training.eval_every
     evaluate = make_evaluator(setup, shardings)
     if evaluate is not None:
-        every, perplexity = setup.cfg.training.eval_every, setup.objective.perplexity
-        hooks.append(ValidationLoss(evaluate, every=every, perplexity=perplexity))
+        hooks.append(ValidationLoss(evaluate, every=every, perplexity=setup.objective.perplexity))
+    if setup.rollouts is not None and setup.rollouts.validation:
+        batch = setup.global_batch * setup.cfg.objective.steps_per_generation
+        seed = setup.cfg.training.seed
+        sample = ValidationRollouts(
+            _sampler(setup), setup.rollouts.validation, batch=batch, seed=seed
+        )
+        hooks.append(ValidationMetrics(sample, every=every))
     harness = harness_tasks(setup.cfg, setup.model)
     if harness is not None:
         hooks.append(harness)

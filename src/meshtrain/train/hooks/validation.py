@@ -1,4 +1,5 @@
-"""The validation metrics as a hook: every training.eval_every steps and at the last step."""
+"""The validation metrics as hooks, every training.eval_every steps and at the last step: the
+objective's loss and metrics over held-out batches, or what a measure of the state reports."""
 
 from __future__ import annotations
 
@@ -29,3 +30,18 @@ class ValidationLoss:
         if self.perplexity:
             values["val_perplexity"] = math.exp(min(loss, 80.0))
         return {**values, **{f"val_{name}": value for name, value in metrics.items()}}
+
+
+class ValidationMetrics:
+    """Metrics of the state measured on held-out data by `measure` (a policy-gradient run's
+    validation rollouts: meshtrain.rl.sampling.ValidationRollouts), each as val_<name>."""
+
+    name = "validation rollouts"
+    part_of_step = False
+
+    def __init__(self, measure: Callable[[object], Mapping[str, float]], *, every: int) -> None:
+        self.measure = measure
+        self.cadence = Cadence(every=every, last=True)
+
+    def __call__(self, info: StepInfo) -> Mapping[str, float]:
+        return {f"val_{name}": value for name, value in self.measure(info.state).items()}
