@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from helpers.config import compose_config
 from helpers.paths import REPO
+from helpers.process import RUN_TRAINING, run_launcher, subprocess_env
 from helpers.runs import train_tiny
 
 from meshtrain.checkpoint.layout import read_meta
@@ -126,6 +127,34 @@ def test_a_generation_feeds_several_steps_the_same_on_any_mesh_and_split(tmp_pat
     assert one.history[0]["clip_ratio/region_mean"] == 0
     # Steps 3 and 4 train on step 1's and 2's completions again, with a policy moved by lr 1e-2.
     assert max(h["clip_ratio/region_mean"] for h in one.history[2:4]) > 0
+
+
+@pytest.mark.slow  # two processes start, sample and train; one process here: about a minute
+def test_two_processes_sample_and_train_as_one(tmp_path):
+    """2 processes × 4 faked devices over gloo, fsdp across both ([[8,1]]), 2 updates a
+    generation: each process samples every completion with the same key and scores them, and the
+    run logs the rewards and losses of one process on 8 devices; its step-3 checkpoint, inside a
+    generation, holds that generation's rows."""
+    run = (
+        *_grpo_overrides(tmp_path),
+        "model.mesh_shape=[[8,1],[fsdp,tp]]",
+        "objective.num_iterations=2",
+        "training.steps=4",
+        "checkpoint.every_steps=3",
+    )
+    two = tmp_path / "two"
+    launched = run_launcher(
+        "--nprocs", "2", "--devices-per-process", "4", str(RUN_TRAINING), *run,
+        f"hydra.run.dir={two}", env=subprocess_env(1), timeout=600,
+    )  # fmt: skip
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    one = train_tiny(tmp_path / "one", *run, devices=8).history
+    records = [json.loads(line) for line in (two / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for a, b in zip(one, records, strict=True):
+        for key in (*KEYS, "clip_ratio/region_mean"):
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6)
+    assert "generation" in read_meta(two / "checkpoints" / "3")["data_arrays"]
 
 
 def test_the_first_update_of_a_generation_is_the_on_policy_update(tmp_path):
@@ -328,6 +357,7 @@ def test_held_out_prompts_are_sampled_and_scored_at_each_evaluation(tmp_path):
         result.setup.rollouts.tokenizer,
         result.setup.cfg.objective,
         width=result.setup.rollouts.width,
+        mesh=result.setup.mesh,
     )
     prompts = [p for p in validation for _ in range(4)]  # 12 completions: one batch of 16
     padded = prompts + [prompts[0]] * 4

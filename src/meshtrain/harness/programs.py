@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from meshtrain.models.transformer import Transformer
+from meshtrain.parallel.arrays import global_array
 from meshtrain.parallel.rules import constrain, logical_to_spec
 
 LOGITS_BUDGET = 1 << 26  # the most fp32 logits `score` holds at once (256 MiB)
@@ -32,8 +33,7 @@ def on_mesh(mesh: Mesh | None, array: np.ndarray, logical_axes: tuple, rules: An
     axes (each device reads its own slice), or as a local array without a mesh."""
     if mesh is None:
         return jnp.asarray(array)
-    sharding = NamedSharding(mesh, logical_to_spec(logical_axes, rules))
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+    return global_array(array, NamedSharding(mesh, logical_to_spec(logical_axes, rules)))
 
 
 def score_chunk(rows: int, vocab: int, length: int) -> int:

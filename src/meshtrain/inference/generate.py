@@ -212,6 +212,7 @@ def generate_ids_batch(
     vocab_size: int | None = None,
     seed: int = 0,
     bucket: int | None = None,
+    put: Callable[[np.ndarray | np.generic], Any] = lambda array: array,
 ) -> list[np.ndarray]:
     """The ids the model picks after each of `prompts`, decoded together as one batch (rows
     sharded over the batch axes of the parameters' mesh): int32 [at most max_new_tokens] each,
@@ -222,7 +223,9 @@ def generate_ids_batch(
     model's embedding rows) are never picked. One program per (batch size, prompt bucket,
     max_new_tokens, sampling kind): the prompts are left-padded to the bucket of the longest, or
     to `bucket` (at least the longest prompt), which a caller that knows all its prompts' lengths
-    fixes once (a policy-gradient run's rollouts: one program for the run)."""
+    fixes once (a policy-gradient run's rollouts: one program for the run). `put` makes each
+    input an array on the parameters' mesh (global arrays, where the mesh spans processes that
+    all make this call with the same prompts); every process gets every row's ids."""
     rows = [np.asarray(ids, np.int32).reshape(-1) for ids in prompts]
     if not rows:
         return []
@@ -243,13 +246,13 @@ def generate_ids_batch(
     with model.on_params_mesh():
         picked, steps = _generate_batch(
             model,
-            tokens,
-            pad,
-            np.asarray(stops, np.int32),
-            np.int32(seed),
-            np.float32(temperature),
-            np.int32(top_k),
-            np.float32(top_p),
+            put(tokens),
+            put(pad),
+            put(np.asarray(stops, np.int32)),
+            put(np.int32(seed)),
+            put(np.float32(temperature)),
+            put(np.int32(top_k)),
+            put(np.float32(top_p)),
             max_new_tokens=max_new_tokens,
             vocab_size=int(model.embed.shape[0] if vocab_size is None else vocab_size),
             greedy=temperature == 0,

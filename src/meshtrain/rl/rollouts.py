@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 from meshtrain.config.objective import ObjectiveConfig, generation_cycle
 from meshtrain.inference.generate import generation_program
 from meshtrain.models.abstract import AbstractModel, merge_model
+from meshtrain.parallel.arrays import global_array
 from meshtrain.rl.prompts import PromptSet
 from meshtrain.rl.rows import completion_rows, token_columns, with_rollout
 from meshtrain.rl.sampling import Sampler, sampling_seed
@@ -135,7 +136,7 @@ class RolloutBatches:
         if start != self._generation_start:
             self._generation, self._generation_start = self._generate(start), start
         index = (k - start) % self.cfg.steps_per_generation
-        return jax.device_put(self._generation[index], self._sharding)
+        return global_array(self._generation[index], self._sharding)
 
     def _generate(self, start: int) -> np.ndarray:
         """The rows of the generation starting at iterator step `start`: int32
@@ -191,7 +192,7 @@ class RolloutBatches:
             [
                 np.asarray(
                     self._old_log_probs(
-                        state.params, state.frozen, jax.device_put(step, self._sharding)
+                        state.params, state.frozen, global_array(step, self._sharding)
                     )
                 )
                 for step in tokens

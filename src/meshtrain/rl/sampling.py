@@ -7,20 +7,26 @@ All the prompts of a call decode together as one batch on the training mesh (mes
 stopped or objective.max_new_tokens), from the state's own sharded parameters (with LoRA, the
 base and its adapters; nothing is copied), the prompts padded to one width for the run (one
 program). The rewards (meshtrain.rl.rewards) and the advantages (meshtrain.rl.advantages) are
-computed on the host.
+computed on the host. Where the mesh spans several processes, each of them samples the same
+prompts with the same key (the program's inputs as global arrays), reads every completion and
+calls the reward functions on all of them (so they must be deterministic, as trl's are on its
+processes' shares), so the rows they build are the same.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.config.objective import ObjectiveConfig
 from meshtrain.data.tokenizer import Tokenizer
 from meshtrain.inference.generate import generate_ids_batch
 from meshtrain.models.abstract import AbstractModel, merge_model
+from meshtrain.parallel.arrays import global_array
 from meshtrain.rl.advantages import Advantages, group_advantages, nanstd
 from meshtrain.rl.prompts import Prompt
 from meshtrain.rl.rewards import Rewards
@@ -73,9 +79,12 @@ class Sampler:
         cfg: ObjectiveConfig,
         *,
         width: int,
+        mesh: Mesh,
     ) -> None:
         self.model, self.rewards, self.tokenizer, self.cfg = model, rewards, tokenizer, cfg
         self.width = width  # every prompt is padded to it: one sampling program
+        # The inputs of the sampling program, the same on every process, as global arrays.
+        self._put = partial(global_array, sharding=NamedSharding(mesh, PartitionSpec()))
 
     def sample(self, state: Any, prompts: list[Prompt], seed: int) -> list[np.ndarray]:
         """Each prompt's completion, sampled from `state` (int32 [≤ max_new_tokens], with the
@@ -93,6 +102,7 @@ class Sampler:
             vocab_size=min(self.tokenizer.vocab_size, self.model.config.vocab_size),
             seed=seed,
             bucket=self.width,
+            put=self._put,
         )
 
     def score(self, prompts: list[Prompt], completions: list[np.ndarray]) -> Scored:

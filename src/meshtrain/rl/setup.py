@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax
-
 from meshtrain.config.schema import Config
 from meshtrain.data.tokenizer import Tokenizer
 from meshtrain.errors import ConfigError, require
@@ -30,11 +28,6 @@ def rollout_data(cfg: Config, global_batch: int) -> RolloutData:
     unreadable tokenizer) that train.setup turns into one."""
     objective, data = cfg.objective, cfg.data
     group = objective.num_generations
-    require(
-        jax.process_count() == 1,
-        f"objective=grpo runs in one process; this run has {jax.process_count()} (use one "
-        "process with all its devices)",
-    )
     require(
         global_batch % group == 0,
         f"training.global_batch_size={global_batch} completions are not whole groups of "

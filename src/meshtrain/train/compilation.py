@@ -6,13 +6,16 @@ start-up line is."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
+from meshtrain.config.objective import generation_cycle
 from meshtrain.distributed.runtime import process_hosts
 from meshtrain.models.abstract import key_value_replicas
 from meshtrain.observe.communication import CommunicationReport, account_collectives
@@ -21,6 +24,7 @@ from meshtrain.observe.progress import phase
 from meshtrain.observe.throughput import ThroughputMeter, peak_flops_per_device
 from meshtrain.parallel.rules import logical_to_spec
 from meshtrain.train.gradients import gradient_sync
+from meshtrain.train.objectives.policy_gradient import sampling_log_probs
 from meshtrain.train.optimizer import learning_rate_schedule
 from meshtrain.train.setup import Setup, context_plan
 from meshtrain.train.state import TrainState, abstract_train_state
@@ -128,3 +132,14 @@ def throughput_meter(setup: Setup) -> ThroughputMeter:
         flops_per_step=setup.flops_per_step,
         peak_flops_per_device=peak,
     )
+
+
+def old_log_probs_program(setup: Setup) -> Callable[[Any, Any, jax.Array], jax.Array] | None:
+    """The program that scores a policy-gradient run's generation by the policy that sampled it
+    (train.objectives.policy_gradient.sampling_log_probs; its output on every process), where a
+    generation feeds several steps (objective.num_iterations × steps_per_generation > 1)."""
+    if generation_cycle(setup.cfg.objective) == 1:
+        return None
+    everywhere = NamedSharding(setup.mesh, PartitionSpec())
+    score = sampling_log_probs(setup.objective.inputs, setup.model)
+    return jax.jit(score, out_shardings=everywhere)

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from meshtrain.config.objective import generation_cycle
 from meshtrain.config.run_record import keep_run_record
 from meshtrain.config.schema import Config
 from meshtrain.hardware.deviceless import (
@@ -31,9 +30,12 @@ from meshtrain.observe.compile_report import CompileReport, ProgramCompile, meas
 from meshtrain.observe.memory_plan import MemoryPlan
 from meshtrain.observe.metrics import setup_logging
 from meshtrain.rl.rollouts import rollout_program
-from meshtrain.train.compilation import compile_train_step, inspect_compiled
+from meshtrain.train.compilation import (
+    compile_train_step,
+    inspect_compiled,
+    old_log_probs_program,
+)
 from meshtrain.train.describe import describe
-from meshtrain.train.objectives.policy_gradient import sampling_log_probs
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.setup import Setup, prepare
 from meshtrain.train.state import (
@@ -138,11 +140,11 @@ def _compile_rollout(
             seq_len=setup.cfg.data.seq_len,
         )
     ]
-    if generation_cycle(objective) > 1:
+    score = old_log_probs_program(setup)
+    if score is not None:
         accum, micro, _ = setup.batch_shape
         tokens = jax.ShapeDtypeStruct(
             (accum, micro, setup.cfg.data.seq_len + 1), jnp.int32, sharding=batch_sharding
         )
-        score = jax.jit(sampling_log_probs(setup.objective.inputs, setup.model))
         lowered.append(score.lower(state.params, state.frozen, tokens))
     return measure([program.compile() for program in lowered], time.perf_counter() - start)

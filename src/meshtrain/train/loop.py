@@ -19,7 +19,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from meshtrain.checkpoint import RunCheckpoints
-from meshtrain.config.objective import generation_cycle, precomputed_reference
+from meshtrain.config.objective import precomputed_reference
 from meshtrain.config.run_record import keep_run_record
 from meshtrain.config.schema import Config
 from meshtrain.data import BatchIterator, MixedDataset
@@ -28,10 +28,15 @@ from meshtrain.models.initialization import initial_params
 from meshtrain.observe.metrics import MetricsWriter, setup_logging
 from meshtrain.observe.progress import phase
 from meshtrain.observe.throughput import ThroughputMeter
-from meshtrain.rl.rollouts import OldLogProbs, RolloutBatches
+from meshtrain.rl.rollouts import RolloutBatches
 from meshtrain.rl.sampling import Sampler, ValidationRollouts
 from meshtrain.train.batch import BatchSource, DeviceBatches, process_rows
-from meshtrain.train.compilation import compile_train_step, inspect_compiled, throughput_meter
+from meshtrain.train.compilation import (
+    compile_train_step,
+    inspect_compiled,
+    old_log_probs_program,
+    throughput_meter,
+)
 from meshtrain.train.describe import describe
 from meshtrain.train.evaluation import make_evaluator
 from meshtrain.train.hooks import AnyOf, Cadence, Hook, HookRunner, StepInfo
@@ -41,7 +46,6 @@ from meshtrain.train.hooks.harness import harness_tasks
 from meshtrain.train.hooks.profiler import Profiler
 from meshtrain.train.hooks.step_metrics import StepClock, StepMetrics
 from meshtrain.train.hooks.validation import ValidationLoss, ValidationMetrics
-from meshtrain.train.objectives.policy_gradient import sampling_log_probs
 from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.reference_scores import score_datasets
 from meshtrain.train.resume import check_resume, run_meta
@@ -199,7 +203,7 @@ def _batch_iterator(setup: Setup, batch_sharding: NamedSharding) -> BatchSource:
             seed=cfg.training.seed,
             sharding=batch_sharding,
             global_shape=setup.batch_shape,
-            old_log_probs=_old_log_probs_program(setup),
+            old_log_probs=old_log_probs_program(setup),
         )
     rows = process_rows(batch_sharding, setup.batch_shape, axis=1)
     log.info("this process reads rows %d:%d of each micro-batch", rows.start, rows.stop)
@@ -223,15 +227,8 @@ def _sampler(setup: Setup) -> Sampler:
         rollouts.tokenizer,
         setup.cfg.objective,
         width=rollouts.width,
+        mesh=setup.mesh,
     )
-
-
-def _old_log_probs_program(setup: Setup) -> OldLogProbs | None:
-    """The program that scores a generation by the policy that sampled it, where it feeds
-    several steps (objective.num_iterations × steps_per_generation > 1)."""
-    if generation_cycle(setup.cfg.objective) == 1:
-        return None
-    return jax.jit(sampling_log_probs(setup.objective.inputs, setup.model))
 
 
 def _initial_state(
