@@ -119,6 +119,6 @@ def test_on_a_mesh_the_cache_is_sharded_like_the_keys_and_values(kv_heads):
     want = NamedSharding(mesh, logical_to_spec(decode.CACHE_AXES, rules))
     assert cache.keys.sharding.is_equivalent_to(want, 5)
     assert cache.values.sharding.is_equivalent_to(want, 5)
-    # [layers, B, S, K, H] per device: the batch over fsdp=4; K over tp=2 when it divides.
-    shard = (cfg.num_layers, 1, 32, 1, cfg.head_dim)
+    # [layers, B, K, S, H] per device: the batch over fsdp=4; K over tp=2 when it divides.
+    shard = (cfg.num_layers, 1, 1, 32, cfg.head_dim)
     assert {s.data.shape for s in cache.keys.addressable_shards} == {shard}

@@ -8,10 +8,13 @@ local layers with their window and RoPE base, sandwich norms, embedding scaling,
 attention down to one key/value head, `scan_layers` and key/value heads replicated over tp.
 
 The cache holds, per layer, the rotated keys and the values of every position so far:
-[layers, B, S, K, H], S = the positions it has room for, sharded like the keys and values of
-the layers (K over tp, or replicated where models.abstract.fit_kv_heads replicates them).
-Positions past the current one hold zeros or the keys of prompt padding; the causal mask keeps
-any query from reading them, and the next token overwrites them.
+[layers, B, K, S, H], S = the positions it has room for, sharded like the keys and values of
+the layers (K over tp, or replicated where models.abstract.fit_kv_heads replicates them). The
+heads come before the positions so that a decode step's two attention products read a layer's
+cache as it lies (batch and head leading, the contracted positions or features innermost), with
+no transposed copy of the whole cache per step; each step writes its token's keys and values
+into the stacked cache in place. Positions past the current one hold zeros or the keys of prompt
+padding; the causal mask keeps any query from reading them, and the next token overwrites them.
 
 A batch of prompts of different lengths is left-padded (`pad` [B]: the padding slots before
 each row's prompt), so that every row's next token goes to the same cache slot: a row's RoPE
@@ -21,7 +24,7 @@ the prefill, a key mask in the decode steps).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +35,12 @@ from meshtrain.models.block import Block
 from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.rules import constrain
 
-CACHE_AXES = ("layers", "batch", "length", "kv_heads", None)  # logical axes of KVCache arrays
+CACHE_AXES = ("layers", "batch", "kv_heads", "length", None)  # logical axes of KVCache arrays
 LAYER_CACHE_AXES = CACHE_AXES[1:]
 
 
 class KVCache(NamedTuple):
-    """Every layer's rotated keys and its values, [layers, B, S, K, H] each."""
+    """Every layer's rotated keys and its values, [layers, B, K, S, H] each."""
 
     keys: jax.Array
     values: jax.Array
@@ -46,9 +49,9 @@ class KVCache(NamedTuple):
 def init_cache(model: Transformer, batch: int, length: int) -> KVCache:
     """A cache of zeros with room for `length` positions, in the compute dtype of the model."""
     attn = model.blocks.attn if model.scan_layers else model.blocks[0].attn
-    shape = (len(model.layer_kinds), batch, length, attn.num_kv_heads, attn.head_dim)
+    shape = (len(model.layer_kinds), batch, attn.num_kv_heads, length, attn.head_dim)
     zeros = constrain(jnp.zeros(shape, model.embed[...].dtype), CACHE_AXES, model.rules)
-    return KVCache(zeros, zeros)  # [L, B, S, K, H]
+    return KVCache(zeros, zeros)  # [L, B, K, S, H]
 
 
 def prefill(
@@ -114,7 +117,7 @@ def _run(
     per_kind = model.rope_per_kind(positions)
     kernel, _ = model.attention_kernel(x.dtype)
 
-    def layer(block: Block, kind: int, x, keys, values):
+    def layer(block: Block, kind: int, x, keys, values, index=None):
         sin, cos, window = per_kind[kind]
         return _cached_block(
             block,
@@ -124,6 +127,7 @@ def _run(
             keys,
             values,
             start,
+            index,
             window=window,
             kernel=kernel,
             prefill=prefill,
@@ -134,8 +138,7 @@ def _run(
     if not model.scan_layers:
         keys, values = cache
         for i, (block, kind) in enumerate(zip(model.blocks, model.kind_index, strict=True)):
-            x, layer_keys, layer_values = layer(block, kind, x, keys[i], values[i])
-            keys, values = keys.at[i].set(layer_keys), values.at[i].set(layer_values)
+            x, keys, values = layer(block, kind, x, keys, values, i)
     else:
         graphdef, stacked = nnx.split(model.blocks)
 
@@ -166,6 +169,7 @@ def _cached_block(
     keys: jax.Array,
     values: jax.Array,
     start: jax.Array | int,
+    index: int | None,
     *,
     window: int | None,
     kernel: AttentionKernel,
@@ -174,7 +178,9 @@ def _cached_block(
     key_pad: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One Block over x [B, T, D] at slots start … start + T - 1, its attention reading the
-    layer's cache keys and values [B, S, K, H] once this step's are written into them.
+    layer's cache keys and values once this step's are written into them: the cache is the
+    layer's [B, K, S, H], or with `index` the stacked [L, B, K, S, H] whose layer `index` this
+    is (written in place, not sliced out and back).
 
     prefill (start 0): the queries see only the new keys (of their own segment), through the
     training path's kernel, so the prompt's logits are those of the model's own call. Decode:
@@ -182,12 +188,17 @@ def _cached_block(
     window), none of their row's first key_pad slots."""
     attn, rules = block.attn, block.rules
     q, k, v = attn.queries_keys_values(block.attn_norm(x), sin, cos)  # [B, T, N|K, H]
-    keys = constrain(
-        jax.lax.dynamic_update_slice_in_dim(keys, k, start, 1), LAYER_CACHE_AXES, rules
-    )
-    values = constrain(
-        jax.lax.dynamic_update_slice_in_dim(values, v, start, 1), LAYER_CACHE_AXES, rules
-    )
+    axes = LAYER_CACHE_AXES if index is None else CACHE_AXES
+    layer = () if index is None else (index,)
+
+    def write(cache: jax.Array, new: jax.Array) -> jax.Array:
+        new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [B, K, T, H]
+        if index is not None:
+            new = new[None]  # [1, B, K, T, H]
+        at = (*layer, 0, 0, start, 0)
+        return constrain(jax.lax.dynamic_update_slice(cache, new, at), axes, rules)
+
+    keys, values = write(keys, k), write(values, v)
     if prefill:
         out = dot_product_attention(
             q,
@@ -198,13 +209,33 @@ def _cached_block(
             segment_ids=segments,
         )  # [B, T, N, H]
     else:
-        all_keys, all_values = attn.expand_kv(keys, values)  # [B, S, K or N, H]
+        layer_keys = keys if index is None else keys[index]  # [B, K, S, H]
+        layer_values = values if index is None else values[index]
         query_positions = start + jnp.arange(q.shape[1])  # [T]
-        key_slots = jnp.arange(keys.shape[1])  # [S]
+        key_slots = jnp.arange(layer_keys.shape[2])  # [S]
         mask = attention_mask(query_positions, key_slots, window=window)  # [1, 1, T, S]
         if key_pad is not None:
             mask = mask & (key_slots >= key_pad[:, None])[:, None, None, :]  # [B, 1, T, S]
-        out = jax.nn.dot_product_attention(
-            q, all_keys, all_values, mask=mask, scale=attn.scale, implementation="xla"
-        )  # [B, T, N, H]
+        out = _cached_attention(attn, q, layer_keys, layer_values, mask)
     return block.after_attention(x, attn.output(out)), keys, values
+
+
+def _cached_attention(
+    attn: Any, q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array
+) -> jax.Array:
+    """Queries q [B, T, N, H] against a layer's cache keys and values [B, K, S, H] (K key/value
+    heads, each read by G = N / K query heads; with the key/value heads replicated over tp,
+    models.layers.expand_kv's N), under mask bool [B or 1, 1, T, S]: [B, T, N, H]. The scores
+    and the softmax in fp32, as the training path's kernels compute them."""
+    keys, values = (
+        jnp.swapaxes(a, 1, 2)
+        for a in attn.expand_kv(*(jnp.swapaxes(a, 1, 2) for a in (keys, values)))
+    )
+    batch, length, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    q = q.reshape(batch, length, kv_heads, heads // kv_heads, dim)  # [B, T, K, G, H]
+    scores = jnp.einsum("btkgh,bksh->bkgts", q, keys, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, :, None], scores * attn.scale, -jnp.inf)  # [B, K, G, T, S]
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    out = jnp.einsum("bkgts,bksh->btkgh", probs, values)  # [B, T, K, G, H]
+    return out.reshape(batch, length, heads, dim)
