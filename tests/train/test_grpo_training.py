@@ -58,9 +58,10 @@ def _grpo_overrides(tmp_path) -> tuple[str, ...]:
 KEYS = ("loss", "grad_norm", "reward", "reward_std", "completions/mean_length")
 
 
-@pytest.mark.slow
-def test_a_run_samples_scores_and_trains_the_same_on_any_mesh_and_split(tmp_path):
-    run = _grpo_overrides(tmp_path)
+def _alone_and_split_alike(tmp_path, run: tuple[str, ...], keys: tuple[str, ...]):
+    """The run `run` on 1 device, and on [[4,2]] fsdp × tp with 2 accumulation steps: the
+    records of every step have the same metrics and the same `keys` (1e-5); the first run's
+    result."""
     one = train_tiny(tmp_path / "one", *run, devices=1)
     split = train_tiny(
         tmp_path / "split",
@@ -70,8 +71,15 @@ def test_a_run_samples_scores_and_trains_the_same_on_any_mesh_and_split(tmp_path
         devices=8,
     )
     for a, b in zip(one.history, split.history, strict=True):
-        for key in KEYS:
+        assert a.keys() == b.keys()
+        for key in keys:
             np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6)
+    return one
+
+
+@pytest.mark.slow
+def test_a_run_samples_scores_and_trains_the_same_on_any_mesh_and_split(tmp_path):
+    one = _alone_and_split_alike(tmp_path, _grpo_overrides(tmp_path), KEYS)
     first = one.history[0]
     assert 0.2 < first["reward"] < 0.8 and first["reward_std"] > 0  # uneven: advantages
     assert first["loss"] != 0 and first["grad_norm"] > 0
@@ -106,22 +114,10 @@ def test_a_generation_feeds_several_steps_the_same_on_any_mesh_and_split(tmp_pat
         "objective.steps_per_generation=2",
         "training.steps=5",
     )
-    one = train_tiny(tmp_path / "one", *run, devices=1)
-    split = train_tiny(
-        tmp_path / "split",
-        *run,
-        "model.mesh_shape=[[4,2],[fsdp,tp]]",
-        "training.gradient_accumulation_steps=2",
-        devices=8,
-    )
-    for a, b in zip(one.history, split.history, strict=True):
-        assert a.keys() == b.keys()
-        for key in ("loss", "grad_norm", "clip_ratio/region_mean"):
-            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6)
+    one = _alone_and_split_alike(tmp_path, run, (*KEYS, "clip_ratio/region_mean"))
     # A generation at steps 1 and 5 only: each step logs the rollout metrics of its generation.
     generate_s = [h["rollout/generate_s"] for h in one.history]
     assert generate_s[:4] == [generate_s[0]] * 4 and generate_s[4] != generate_s[0]
-    np.testing.assert_allclose(one.history[0]["reward"], split.history[0]["reward"], rtol=1e-6)
     assert one.history[0]["rollout/old_log_probs_s"] > 0
     # Step 1 trains with the policy that sampled: every ratio is 1 (to rounding), nothing clips.
     assert one.history[0]["clip_ratio/region_mean"] == 0
