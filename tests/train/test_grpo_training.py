@@ -7,6 +7,7 @@ Learning from the rewards: tests/docs/test_rl_docs.py (slow)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -20,9 +21,11 @@ from helpers.runs import train_tiny
 from meshtrain.checkpoint.layout import read_meta
 from meshtrain.config.validate import check_config
 from meshtrain.errors import ConfigError
+from meshtrain.inference.generate import generate_ids
 from meshtrain.rl.sampling import Sampler, sampling_seed
 from meshtrain.train.dry_run import dry_run
 from meshtrain.train.setup import prepare
+from meshtrain.weights.load import load_model
 
 GEMMA = REPO / "tests" / "fixtures" / "chat" / "gemma3"
 PROMPTS = REPO / "examples" / "rl" / "prompts.jsonl"
@@ -332,7 +335,8 @@ def test_shapes_and_functions_that_cannot_work_are_one_line_before_the_compile(
 def test_held_out_prompts_are_sampled_and_scored_at_each_evaluation(tmp_path):
     """data.validation_paths' prompts: G completions each, with the same keys at every
     evaluation, scored by the run's rewards and logged as val_<metric>; what is logged at the
-    last step is what those prompts' completions from the final state score."""
+    last step is what those prompts' completions from the final state score. Greedy, the
+    sampler picks what meshtrain-generate picks from the saved run."""
     held_out = tmp_path / "held_out.jsonl"
     held_out.write_text("".join(PROMPTS.read_text().splitlines(keepends=True)[:3]))
     result = train_tiny(
@@ -344,27 +348,40 @@ def test_held_out_prompts_are_sampled_and_scored_at_each_evaluation(tmp_path):
     )
     evaluated = [h["step"] for h in result.history if "val_reward" in h]
     assert evaluated == [2, 3]  # every 2 steps and the last
-    last = result.history[-1]
-    validation = result.setup.rollouts.validation
+    last, setup = result.history[-1], result.setup
+    validation = setup.rollouts.validation
     assert len(validation) == 3
-    sampler = Sampler(
-        result.setup.model,
-        result.setup.rollouts.rewards,
-        result.setup.rollouts.tokenizer,
-        result.setup.cfg.objective,
-        width=result.setup.rollouts.width,
-        mesh=result.setup.mesh,
-    )
+
+    def sampler(objective):
+        rollouts = setup.rollouts
+        return Sampler(
+            setup.model,
+            rollouts.rewards,
+            rollouts.tokenizer,
+            objective,
+            width=rollouts.width,
+            mesh=setup.mesh,
+        )
+
     prompts = [p for p in validation for _ in range(4)]  # 12 completions: one batch of 16
     padded = prompts + [prompts[0]] * 4
-    with jax.set_mesh(result.setup.mesh):
-        completions = sampler.sample(result.state, padded, sampling_seed(0, 0))[:12]
+    with jax.set_mesh(setup.mesh):
+        completions = sampler(setup.cfg.objective).sample(result.state, padded, sampling_seed(0, 0))
+    completions = completions[:12]
     low = [sum(i < 256 for i in c) / len(c) for c in completions]
     np.testing.assert_allclose(last["val_reward"], np.mean(low), rtol=1e-6)
     np.testing.assert_allclose(last["val_rewards/low_ids/mean"], np.mean(low), rtol=1e-6)
     lengths = [c.size for c in completions]
     assert last["val_completions/mean_length"] == np.mean(lengths)
     assert last["val_completions/max_length"] == max(lengths) <= 12
+    # Greedy, the rollouts' sampler picks what meshtrain-generate picks from the saved run.
+    greedy = sampler(dataclasses.replace(setup.cfg.objective, temperature=0.0))
+    with jax.set_mesh(setup.mesh):
+        rollouts = greedy.sample(result.state, validation, 0)
+    saved = load_model(tmp_path / "run")
+    for prompt, rollout in zip(validation, rollouts, strict=True):
+        alone = generate_ids(saved, prompt.ids, 12, 0.0, stop_ids=prompt.stop_ids)
+        np.testing.assert_array_equal(rollout, alone)
 
 
 @pytest.mark.parametrize(
