@@ -9,12 +9,15 @@ import json
 import re
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.config import compose_config
 from helpers.preference_runs import dpo_overrides, pairs_file
 from helpers.runs import train_tiny
 
+from meshtrain.train.dry_run import dry_run
 from meshtrain.train.objectives.token_scores import split_reference_scores, with_reference_scores
 from meshtrain.train.reference_scores import ReferenceScored
 
@@ -133,3 +136,32 @@ def test_a_resumed_run_reads_its_scores_or_scores_again_with_the_same_numbers(tm
     for h in resumed.history:
         for key in KEYS:
             assert h[key] == by_step[h["step"]][key], key
+
+
+@pytest.mark.slow  # two dry runs on [[4,2]]
+def test_a_dry_run_compiles_the_references_scoring_program(tmp_path, capsys):
+    """With objective.reference=precomputed, training.dry_run=true also compiles the program that
+    scores the pairs before training (compile.json's `reference`): a forward pass over a
+    micro-batch's rows, with the LoRA base too; without it there is no such entry."""
+    run = (*dpo_overrides(pairs_file(tmp_path)), "model.mesh_shape=[[4,2],[fsdp,tp]]")
+    for name, extra in (
+        ("in_step", ()),
+        ("precomputed", (PRECOMPUTED,)),
+        ("lora", (PRECOMPUTED, "model.lora.rank=4")),
+    ):
+        cfg = compose_config(*run, *extra, "training.dry_run=true")
+        dry_run(cfg, tmp_path / name, devices=jax.devices())
+    reports = {
+        name: json.loads((tmp_path / name / "compile.json").read_text())
+        for name in ("in_step", "precomputed", "lora")
+    }
+    assert reports["in_step"]["reference"] is None
+    for name in ("precomputed", "lora"):
+        scoring = reports[name]["reference"]
+        assert scoring["fusions"] > 0 and scoring["seconds"] > 0 and scoring["matmul_flops"] > 0
+    # The scoring pass is a forward over the rows: less than the step's (forward and backward).
+    assert (
+        reports["precomputed"]["reference"]["matmul_flops"]
+        < reports["precomputed"]["step"]["matmul_flops"]
+    )
+    assert "compiled the reference's scoring program in " in capsys.readouterr().out

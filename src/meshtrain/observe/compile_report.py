@@ -52,6 +52,7 @@ class CompileReport:
     init: ProgramCompile
     step: ProgramCompile
     rollout: ProgramCompile | None = None  # a policy-gradient run's sampling program
+    reference: ProgramCompile | None = None  # objective.reference=precomputed: its scoring
 
     def format(self) -> list[str]:
         lines = [
@@ -65,6 +66,12 @@ class CompileReport:
                 f"compiled the rollouts' sampling program in {self.rollout.seconds:.1f} s "
                 f"({self.rollout.fusions} fusions, {self.rollout.cudnn_attention_calls} cuDNN "
                 "attention calls)"
+            )
+        if self.reference is not None:
+            lines.append(
+                f"compiled the reference's scoring program in {self.reference.seconds:.1f} s "
+                f"({self.reference.fusions} fusions, {self.reference.cudnn_attention_calls} "
+                "cuDNN attention calls)"
             )
         return lines
 

@@ -1,7 +1,8 @@
 """`training.dry_run=true`: the real initialisation and train step (and a policy-gradient run's
-sampling program) compiled for the mesh, no weight allocated; the memory plan logged and written to plan.json, the compile times, fusions
-and attention kernel to compile.json (docs/planning.md). With plan.target, for GPUs this host
-lacks (meshtrain.hardware)."""
+sampling program, a precomputed reference's scoring program) compiled for the mesh, no weight
+allocated; the memory plan logged and written to plan.json, the compile times, fusions and
+attention kernel to compile.json (docs/planning.md). With plan.target, for GPUs this host lacks
+(meshtrain.hardware)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from meshtrain.config.objective import precomputed_reference
 from meshtrain.config.run_record import keep_run_record
 from meshtrain.config.schema import Config
 from meshtrain.hardware.deviceless import (
@@ -37,6 +39,7 @@ from meshtrain.train.compilation import (
 )
 from meshtrain.train.describe import describe
 from meshtrain.train.optimizer import build_optimizer
+from meshtrain.train.reference_scores import scoring_program
 from meshtrain.train.setup import Setup, prepare
 from meshtrain.train.state import (
     TrainState,
@@ -82,6 +85,9 @@ def dry_run(
         rollout = None
         if cfg.data.source == "prompts":
             rollout = _compile_rollout(setup, tx, shardings, batch_sharding)
+        reference = None
+        if precomputed_reference(cfg.objective):
+            reference = _compile_reference_scoring(setup, tx, shardings)
         kernel, why = attention_choice(setup.model, cfg.training.mixed_precision)
     report = CompileReport(
         device=cfg.plan.target or setup.mesh.devices.flat[0].device_kind,
@@ -91,6 +97,7 @@ def dry_run(
         init=init,
         step=step,
         rollout=rollout,
+        reference=reference,
     )
     for line in report.format():
         log.info(line)
@@ -120,6 +127,21 @@ def _compile_initialisation(
     ]
     compiled = [program.compile(compiler_options=options) for program in lowered]
     return measure(compiled, time.perf_counter() - start)
+
+
+def _compile_reference_scoring(
+    setup: Setup, tx: optax.GradientTransformation, shardings: TrainState
+) -> ProgramCompile:
+    """Compiles the program that scores the pairs with the reference before training
+    (objective.reference=precomputed: train.reference_scores; nothing runs)."""
+    state = abstract_train_state(setup.model, tx, shardings)
+    weights = state.frozen if setup.model.lora else state.params
+    rows = jax.ShapeDtypeStruct(
+        (setup.micro_global, setup.cfg.data.seq_len + 1), jnp.int32, sharding=setup.rows_sharding
+    )
+    start = time.perf_counter()
+    compiled = scoring_program(setup, shardings).lower(weights, rows).compile()
+    return measure([compiled], time.perf_counter() - start)
 
 
 def _compile_rollout(

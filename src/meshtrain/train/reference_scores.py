@@ -107,7 +107,7 @@ class _Scorer:
         start = time.perf_counter()
         if self._program is None:
             self._weights = self.reference()
-            self._program = _scoring_program(self.setup, self.shardings)
+            self._program = scoring_program(self.setup, self.shardings)
         scores = _score(self.setup, self._program, self._weights, dataset)
         where = _save(path, scores)
         log.info(
@@ -158,9 +158,10 @@ def _on_every_process(found: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.asarray(found))))
 
 
-def _scoring_program(setup: Setup, shardings: TrainState) -> Callable[..., jax.Array]:
-    """Compiled (reference, rows [micro_global, seq_len + 1]) → fp32 [micro_global, seq_len],
-    on every process: `reference` the LoRA base (its adapters off) or the starting weights."""
+def scoring_program(setup: Setup, shardings: TrainState) -> Callable[..., jax.Array]:
+    """The jitted (reference, rows [micro_global, seq_len + 1]) → fp32 [micro_global, seq_len],
+    on every process: `reference` the LoRA base (its adapters off) or the starting weights (the
+    dry run lowers and compiles it with abstract ones)."""
     inputs, model = setup.objective.inputs, setup.model
 
     def score(reference: Any, rows: jax.Array) -> jax.Array:
