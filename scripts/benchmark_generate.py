@@ -1,7 +1,7 @@
 """Generation speed: tokens/s of `meshtrain.generate` for a model config with random weights.
 
     python scripts/benchmark_generate.py [--model tiny] [--set model.KEY=VALUE ...]
-        [--prompt-tokens 16] [--new-tokens 32] [--batch 1] [--runs 3] [--json]
+        [--prompt-tokens 16] [--new-tokens 32] [--batch 1] [--runs 3] [--transformers] [--json]
 
 The model is configs/model/MODEL.yaml (plus --set overrides), random weights in fp32 on one
 device. The prompt is --prompt-tokens random ids, and no id stops the generation, so every call
@@ -9,7 +9,10 @@ generates exactly --new-tokens tokens, greedily. A first call compiles (timed ap
 first_call_s); then --runs calls are timed and the median gives tokens/s = new tokens / seconds
 per call (prefill included). With --batch N, a call generates for N prompts of --prompt-tokens
 (different random ids) decoded together as one batch, and the same N prompts are also timed one
-at a time, back to back: tokens/s of both and their ratio. docs/models.md records the numbers
+at a time, back to back: tokens/s of both and their ratio. With --transformers (the parity
+extra), the same architecture in transformers (its config.json as meshtrain exports it, random
+weights, fp32, eager torch on the machine's cores) generates for the same N prompts in one
+`generate` call, greedily and exactly --new-tokens tokens, timed the same way after meshtrain. docs/models.md records the numbers
 (earlier implementations measured by running this script against the source of an earlier
 commit: PYTHONPATH=<that commit's src>).
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -38,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated (32)")
     parser.add_argument("--batch", type=int, default=1, help="prompts decoded together (1)")
     parser.add_argument("--runs", type=int, default=3, help="timed calls after the first (3)")
+    parser.add_argument(
+        "--transformers", action="store_true", help="also time transformers' batched generate"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
 
@@ -97,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         result["one_at_a_time_runs_s"] = alone
         result["batched_speedup"] = statistics.median(alone) / median
+    if args.transformers:
+        _, theirs = timed(_transformers_generate(cfg, prompts, args.new_tokens))
+        result["transformers_tokens_per_sec"] = (
+            args.batch * args.new_tokens / statistics.median(theirs)
+        )
+        result["transformers_runs_s"] = theirs
+        result["speedup_over_transformers"] = statistics.median(theirs) / median
     result = stamp(result, sys.argv[1:] if argv is None else list(argv), "benchmark_generate.py")
     if args.json:
         print(json.dumps(result))
@@ -111,7 +125,40 @@ def main(argv: list[str] | None = None) -> int:
                 f"one at a time: {result['one_at_a_time_tokens_per_sec']:.1f} tokens/s; "
                 f"batched {result['batched_speedup']:.2f}× faster"
             )
+        if args.transformers:
+            print(
+                f"transformers' generate: {result['transformers_tokens_per_sec']:.1f} tokens/s; "
+                f"meshtrain {result['speedup_over_transformers']:.2f}× as fast"
+            )
     return 0
+
+
+def _transformers_generate(cfg, prompts: list[np.ndarray], new_tokens: int):
+    """A call that generates with transformers for `prompts` (one batch, greedy, exactly
+    `new_tokens` each): the architecture of `cfg` as meshtrain exports it, random weights."""
+    import torch
+    import transformers
+
+    from meshtrain.hf.config_json import hf_config_from_model
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    config = transformers.AutoConfig.for_model(**hf_config_from_model(cfg, dtype="float32"))
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.tensor(np.stack(prompts), dtype=torch.long)
+
+    def call() -> list[np.ndarray]:
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        return [row[ids.shape[1] :].numpy() for row in out]
+
+    return call
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """scripts/benchmark_generate.py: one quick run of the tiny model reports consistent numbers as
-JSON (the tokens/s docs/models.md records come from it)."""
+JSON (the tokens/s docs/models.md records come from it), also beside transformers' generate."""
 
 import json
 import subprocess
@@ -26,3 +26,24 @@ def test_tiny_quick_json():
     assert result["command"].startswith("python scripts/benchmark_generate.py --prompt-tokens 5")
     for key in ("machine", "date", "jax"):
         assert result[key]
+
+
+@pytest.mark.slow  # imports torch (the parity extra)
+@pytest.mark.bench  # a measurement: a child process timing generation, and transformers'
+def test_against_transformers_generate():
+    pytest.importorskip("torch", reason="the parity extra (torch, transformers) is not installed")
+    command = [sys.executable, str(REPO / "scripts" / "benchmark_generate.py")]
+    args = ["--prompt-tokens", "5", "--new-tokens", "6", "--batch", "2", "--runs", "3"]
+    proc = subprocess.run(
+        [*command, *args, "--transformers", "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    theirs = sorted(result["transformers_runs_s"])[1]
+    assert len(result["transformers_runs_s"]) == 3 and theirs > 0
+    assert result["transformers_tokens_per_sec"] == pytest.approx(2 * 6 / theirs)
+    assert result["speedup_over_transformers"] == pytest.approx(theirs / result["median_s"])
