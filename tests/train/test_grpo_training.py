@@ -366,7 +366,9 @@ def test_held_out_prompts_are_sampled_and_scored_at_each_evaluation(tmp_path):
     prompts = [p for p in validation for _ in range(4)]  # 12 completions: one batch of 16
     padded = prompts + [prompts[0]] * 4
     with jax.set_mesh(setup.mesh):
-        completions = sampler(setup.cfg.objective).sample(result.state, padded, sampling_seed(0, 0))
+        completions = sampler(setup.cfg.objective).sample(
+            result.state, padded, sampling_seed(0, 0, 0)
+        )
     completions = completions[:12]
     low = [sum(i < 256 for i in c) / len(c) for c in completions]
     np.testing.assert_allclose(last["val_reward"], np.mean(low), rtol=1e-6)

@@ -32,10 +32,10 @@ from meshtrain.rl.prompts import Prompt
 from meshtrain.rl.rewards import Rewards
 
 
-def sampling_seed(seed: int, step: int) -> int:
-    """The sampling seed of loop step `step` (from 1; 0: the evaluations') of a run with
-    training.seed `seed`."""
-    return int(np.random.default_rng([seed, step]).integers(2**31))
+def sampling_seed(seed: int, step: int, *part: int) -> int:
+    """The sampling seed of loop step `step` (from 1) of a run with training.seed `seed`; step 0
+    with a `part` (the first completion of a batch): an evaluation's."""
+    return int(np.random.default_rng([seed, step, *part]).integers(2**31))
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ class ValidationRollouts:
         for start in range(0, len(self.prompts), self.batch):
             chunk = self.prompts[start : start + self.batch]
             padded = chunk + [chunk[0]] * (self.batch - len(chunk))  # one program
-            seed = sampling_seed(self.seed, 0) + start
+            seed = sampling_seed(self.seed, 0, start)
             completions += self.sampler.sample(state, padded, seed)[: len(chunk)]
         scored = self.sampler.score(self.prompts, completions)
         return scored.metrics(self.sampler.rewards.names)
