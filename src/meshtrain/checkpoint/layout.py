@@ -240,9 +240,12 @@ def _restore_args(abstract: Any) -> Any:
     )
 
 
-def _read_items(path: Path, targets: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Restores the named array items into their targets and checks every fingerprint."""
-    meta = read_meta(path)
+def _read_items(
+    path: Path, targets: dict[str, Any], meta: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restores the named array items into their targets and checks every fingerprint against
+    the description `meta` (read from `path` if not given)."""
+    meta = read_meta(path) if meta is None else meta
     args = {
         item: ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target))
         for item, target in targets.items()
@@ -268,14 +271,15 @@ def read_state(
     """(parameters, rest of the state, meta), each array read straight into the sharding of its
     abstract target (a tree of ShapeDtypeStructs); the data position's arrays, if the checkpoint
     has any, read whole into meta["data"]."""
-    saved_data = read_meta(path).get(DATA_ARRAYS, {})
+    meta = read_meta(path)
+    saved_data = meta.get(DATA_ARRAYS, {})
     targets = {PARAMS: abstract_params, TRAIN_STATE: abstract_rest}
     if saved_data:
         targets[DATA] = {
             name: jax.ShapeDtypeStruct(tuple(a["shape"]), np.dtype(a["dtype"]))
             for name, a in saved_data.items()
         }
-    items, meta = _read_items(path, targets)
+    items, meta = _read_items(path, targets, meta)
     if saved_data:
         meta["data"] = {**meta["data"], **items[DATA]}
     return items[PARAMS], items[TRAIN_STATE], meta

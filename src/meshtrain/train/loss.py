@@ -246,8 +246,7 @@ def target_log_probs(
 
     xs = jnp.moveaxis(x.reshape(batch, num_chunks, chunk, -1), 1, 0)  # [chunks, B, c, D]
     ts = jnp.moveaxis(targets.reshape(batch, num_chunks, chunk), 1, 0)
-    per_chunk_out = jax.lax.map(chunk_log_probs, (xs, ts))  # [chunks, B, c] (each)
-    outputs = jax.tree.map(
-        lambda a: jnp.moveaxis(a, 0, 1).reshape(batch, padded)[:, :length], per_chunk_out
+    per_chunk = jax.lax.map(chunk_log_probs, (xs, ts))  # [chunks, B, c] (each output)
+    return jax.tree.map(
+        lambda a: jnp.moveaxis(a, 0, 1).reshape(batch, padded)[:, :length], per_chunk
     )
-    return outputs
