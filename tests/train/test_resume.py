@@ -79,7 +79,17 @@ REFUSED = {
             "rejected_key",
         ]
     ),
-    *(f"objective.{k}" for k in ("name", "loss_type", "reference", "num_generations")),
+    *(
+        f"objective.{k}"
+        for k in (
+            "name",
+            "loss_type",
+            "reference",
+            "num_generations",
+            "num_iterations",
+            "steps_per_generation",
+        )
+    ),
     *(f"data.mixture[{i}].{k}" for i in (0, 1) for k in ("name", "paths", "weight")),
     "training.seed",
     "training.global_batch_size",
