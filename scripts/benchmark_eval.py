@@ -18,9 +18,8 @@ would only make the hf model's rolling windows longer).
   `_loglikelihood_tokens` (what lm-eval's loglikelihood calls after tokenizing). meshtrain:
   packed batches of 4096 tokens; hf: --hf-batch-size requests per batch, padded.
 - generate_until: --prompts prompts (lines of a small Python file), --new-tokens tokens
-  each, no stop string (eos only): tokens/s = tokens generated / seconds. meshtrain generates
-  one prompt at a time with its key/value cache; hf with --hf-batch-size prompts per batch and
-  with 1.
+  each, no stop string (eos only): tokens/s = tokens generated / seconds. meshtrain and hf
+  continue --hf-batch-size prompts per batch (meshtrain's generate_batch), hf also 1.
 
 Each is timed warm, --repeats times, and the best time counts (on a shared machine other
 processes only slow a call down; `load_average_1min` records the machine's load before and
@@ -133,15 +132,17 @@ def best_of(repeats: int, function, *args):
     return runs[0][0], min(seconds for _, seconds in runs)
 
 
-def measure_meshtrain(checkpoint: Path, ll: list, prompts: list, repeats: int) -> dict:
+def measure_meshtrain(
+    checkpoint: Path, ll: list, prompts: list, batch_size: int, repeats: int
+) -> dict:
     from meshtrain.harness.lm import MeshtrainLM
 
-    lm = MeshtrainLM(checkpoint=str(checkpoint), max_length=MAX_LENGTH)
+    lm = MeshtrainLM(checkpoint=str(checkpoint), max_length=MAX_LENGTH, generate_batch=batch_size)
     _, first_ll = timed(lm._loglikelihood_tokens, ll)
     scores, ll_s = best_of(repeats, lm._loglikelihood_tokens, ll)
     counted = []
     generate = lm.engine.generate
-    lm.engine.generate = lambda request: counted.append(len(out := generate(request))) or out
+    lm.engine.generate = lambda batch: counted.extend(map(len, out := generate(batch))) or out
     _, first_gen = timed(lm.generate_until, prompts[:1])
     counted.clear()
     _, gen_s = best_of(repeats, lm.generate_until, prompts)
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             ll = loglikelihood_requests(args.requests)
             prompts = generation_requests(args.prompts, args.new_tokens)
             load_before = os.getloadavg()[0]
-            ours = measure_meshtrain(checkpoint, ll, prompts, args.repeats)
+            ours = measure_meshtrain(checkpoint, ll, prompts, args.hf_batch_size, args.repeats)
             theirs = measure_hf(checkpoint, ll, prompts, args.hf_batch_size, args.repeats)
         mine, reference = np.asarray(ours.pop("scores")), np.asarray(theirs.pop("scores"))
         row = {

@@ -113,7 +113,7 @@ def test_a_mesh_gives_the_numbers_of_one_device(checkpoint, lm, loaded, mesh, ro
     np.testing.assert_allclose(ours, one_device, rtol=1e-5)
     # Generation on the same mesh picks the same ids.
     prompt = lm.tok_encode("def function_5(value):")
-    new = on_mesh.engine.generate(Generation(tuple(prompt), ("\x00",), 12))
+    (new,) = on_mesh.engine.generate([Generation(tuple(prompt), ("\x00",), 12)])
     assert new == generate_ids(model, prompt, 12).tolist()  # (no eos among them)
 
 
@@ -125,7 +125,7 @@ def test_generation_stops_at_a_stop_string_with_the_tokens_generate_picks(loaded
     stop = tokenizer.decode(free[4:6])  # text the model will produce at its 5th-6th tokens
     text = tokenizer.decode(free)
     assert stop.strip() and text.find(stop) > 0
-    new = lm.engine.generate(Generation(tuple(prompt), (stop,), 16))
+    (new,) = lm.engine.generate([Generation(tuple(prompt), (stop,), 16)])
     assert new == free[: len(new)].tolist() and len(new) <= 6  # stopped once the text held it
 
     class Request:
@@ -138,6 +138,52 @@ def test_generation_stops_at_a_stop_string_with_the_tokens_generate_picks(loaded
         disable_tqdm=True,
     )
     assert capped == tokenizer.decode(free[:3])
+
+
+def _request(context: str, until: list[str], max_gen_toks: int):
+    return type(
+        "Request", (), {"args": (context, {"until": until, "max_gen_toks": max_gen_toks})}
+    )()
+
+
+def test_generate_until_continues_requests_together_as_each_would_alone(loaded, caplog):
+    """Requests of two kinds (stop strings, max_gen_toks), 3 at a time (the last batch of each
+    kind padded): each answer is its prompt's own greedy ids cut before the first stop string,
+    in the requests' order; the prefill and the stretch program compile once per kind and
+    prompt bucket."""
+    model, tokenizer = loaded
+    lm = MeshtrainLM.from_model(model, tokenizer, max_length=MAX_LENGTH, generate_batch=3)
+    contexts = [
+        "def function_5(value):",
+        "import json",
+        "The quick brown fox",
+        "x = 1",
+        "return value * 7 + len(",
+        "class A:",
+        "for i in range(10):",
+    ]
+    free = {
+        c: generate_ids(model, lm.tok_encode(c), 20, stop_ids=(tokenizer.eos_id,)) for c in contexts
+    }
+    stop = tokenizer.decode(free[contexts[0]][4:6])  # the first one stops at its 5th-6th ids
+    assert stop.strip()
+    kinds = [([stop], 20), (["\x00"], 5)]  # the second never stops before its 5 tokens
+    requests = [_request(c, *kinds[i % 2]) for i, c in enumerate(contexts)]
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        answers = lm.generate_until(requests, disable_tqdm=True)
+    for i, (context, answer) in enumerate(zip(contexts, answers, strict=True)):
+        (until,), max_gen_toks = kinds[i % 2]
+        ids = free[context][:max_gen_toks]
+        ids = ids[:-1] if ids.size and ids[-1] == tokenizer.eos_id else ids
+        assert answer == tokenizer.decode(ids).split(until)[0], context
+    assert answers[0] == tokenizer.decode(free[contexts[0]]).split(stop)[0] != ""
+    assert len(answers[0]) < len(tokenizer.decode(free[contexts[0]]))  # cut at the stop
+    lengths = [len(lm.tok_encode(c)) for c in contexts]
+    assert lengths == [8, 12, 20, 5, 9, 9, 18]
+    # The first kind's longest three (20, 18, 9) in bucket 32, then 8 in 16; the second's (12, 9,
+    # 5) in 16: three (kind, bucket) pairs, each the prefill and the stretch.
+    compiled = [m for m in _compiles(caplog) if "_begin_program" in m or "_advance_program" in m]
+    assert len(compiled) == 6, compiled
 
 
 def test_evaluate_in_place_reuses_its_programs_for_new_parameters(loaded, caplog):

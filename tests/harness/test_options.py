@@ -43,7 +43,7 @@ def test_values_are_converted():
             {"checkpoint": "/c", "batch_tokenz": "8"},
             "model_args key 'batch_tokenz' does not exist (did you mean 'batch_tokens'?); the "
             "keys are checkpoint, tokenizer, mesh_shape, dtype, max_length, batch_tokens, "
-            "add_bos_token, max_gen_toks",
+            "add_bos_token, generate_batch, max_gen_toks",
         ),
         ({}, "model_args needs checkpoint=DIRECTORY (a meshtrain or Hugging Face one)"),
         ({"checkpoint": "/c", "dtype": "float16"}, "must be one of float32, bfloat16"),

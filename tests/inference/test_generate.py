@@ -22,7 +22,12 @@ from scipy import stats
 import meshtrain
 from meshtrain.config import ModelConfig
 from meshtrain.data.tokenizer import ByteTokenizer
-from meshtrain.inference.generate import generate_ids, generate_ids_batch, prompt_bucket
+from meshtrain.inference.generate import (
+    Decoding,
+    generate_ids,
+    generate_ids_batch,
+    prompt_bucket,
+)
 from meshtrain.models.transformer import Transformer
 
 PROMPT = tiny_hf.PROMPT
@@ -188,6 +193,34 @@ def test_a_fixed_width_pads_every_prompt_to_it_and_generates_the_same(loaded):
         np.testing.assert_array_equal(ours, theirs)
     with pytest.raises(ValueError, match=rf"^bucket={longest - 1} is shorter than the longest"):
         generate_ids_batch(model, prompts, 8, bucket=longest - 1)
+
+
+def test_a_decoding_in_stretches_picks_generate_ids_batchs_ids_and_stops_rows(loaded):
+    """Decoding (the harness's generation): stretches of 3 steps pick the ids of one
+    generate_ids_batch, sampled alike from the same seed; a row the caller stops picks nothing
+    more (0) while the others go on; every row done ends it before max_new_tokens."""
+    model, tokenizer = loaded
+    prompts = [tokenizer.encode(p) for p in (PROMPT, "import json", PROMPT + " return")]
+    whole = generate_ids_batch(model, prompts, 8, temperature=1.0, seed=5)
+    decoding = Decoding(model, prompts, 8, temperature=1.0, seed=5)
+    assert decoding.steps == 1 and not decoding.finished
+    picked = decoding.advance(3)
+    assert picked.shape == (3, 4) and decoding.steps == 4
+    picked = decoding.advance(3, stopped=np.array([False, True, False]))
+    assert picked.shape == (3, 7) and decoding.done.tolist() == [False, True, False]
+    picked = decoding.advance(3)
+    assert picked.shape == (3, 8) and decoding.finished
+    for row in (0, 2):
+        np.testing.assert_array_equal(picked[row], whole[row])
+    np.testing.assert_array_equal(picked[1, :4], whole[1][:4])
+    assert picked[1, 4:].tolist() == [0, 0, 0, 0]  # stopped after its 4th id
+    # A row that picks a stop id is done; all done, the decoding is finished early.
+    first = generate_ids_batch(model, prompts, 1)
+    stop_ids = {int(ids[0]) for ids in first}
+    decoding = Decoding(model, prompts, 8, stop_ids=stop_ids)
+    picked = decoding.advance(4)
+    assert decoding.finished and decoding.steps == 1 and decoding.done.all()
+    assert picked[:, 0].tolist() == [int(ids[0]) for ids in first]
 
 
 def test_sampling_depends_on_the_seed_only(loaded):

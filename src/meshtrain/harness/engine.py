@@ -24,8 +24,8 @@ from jax.experimental import multihost_utils
 
 from meshtrain.data.tokenizer import Tokenizer
 from meshtrain.harness import programs
-from meshtrain.harness.packing import PackedBatch, bucket_length
-from meshtrain.inference.generate import picked_ids
+from meshtrain.harness.packing import PackedBatch
+from meshtrain.inference.generate import Decoding
 from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.rules import mesh_axes_for
 
@@ -47,10 +47,16 @@ class Channel:
         return pickle.loads(np.asarray(data).tobytes())
 
 
+# Decode steps between two checks of the rows' texts for their stop strings: a row runs at most
+# this many steps past the token that completes its stop string.
+STOP_CHECK_STEPS = 16
+
+
 @dataclass(frozen=True)
 class Generation:
     """One prompt to continue: its ids, the strings that end it, at most max_new_tokens new
-    tokens; temperature 0 is greedy, above 0 samples with `seed`."""
+    tokens; temperature 0 is greedy, above 0 samples with `seed`. Generations continued
+    together share all but their ids."""
 
     ids: tuple[int, ...]
     until: tuple[str, ...]
@@ -63,7 +69,14 @@ class Engine:
     """Runs the harness's programs for `model` (its parameters as they are: no copy) and
     `tokenizer`; scoring batches hold about `batch_tokens` tokens."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, *, batch_tokens: int = 4096):
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        *,
+        batch_tokens: int = 4096,
+        generate_batch: int = 16,
+    ):
         self.model = model
         self.rules = model.rules
         self.mesh = model.params_mesh()
@@ -73,6 +86,9 @@ class Engine:
         axes = mesh_axes_for("batch", self.rules) if self.mesh is not None else ()
         # A packed batch's rows are split over the batch axes: a multiple of their devices.
         self.row_multiple = math.prod(self.mesh.shape[a] for a in axes) if axes else 1
+        # Generations continued together: every batch has this many rows (padded with copies of
+        # its first prompt), so one program serves each (prompt bucket, max_new_tokens).
+        self.generate_rows = -(-generate_batch // self.row_multiple) * self.row_multiple
         self.channel = Channel() if jax.process_count() > 1 else None
 
     @property
@@ -96,11 +112,12 @@ class Engine:
         self._command("score", arrays)
         return self._score(arrays)
 
-    def generate(self, request: Generation) -> list[int]:
-        """The ids picked after request.ids: up to max_new_tokens of them, ending before the
-        tokenizer's eos, or with the token whose text completes one of request.until."""
-        self._command("generate", request)
-        return self._generate(request)
+    def generate(self, requests: list[Generation]) -> list[list[int]]:
+        """The ids picked after each request's ids, continued together (at most generate_rows
+        requests, alike but for their ids): up to max_new_tokens of them, ending before the
+        tokenizer's eos, or with the token whose text completes one of the stop strings."""
+        self._command("generate", requests)
+        return self._generate(requests)
 
     def follow(self) -> Any:
         """On a process other than 0: run process 0's commands until it sends "stop"; returns
@@ -127,27 +144,55 @@ class Engine:
             )
         return np.asarray(logprob), np.asarray(greedy)
 
-    def _generate(self, request: Generation) -> list[int]:
-        ids = np.asarray(request.ids, np.int32)
-        bucket = bucket_length(ids.size)  # prompts of similar lengths share a program
-        new: list[int] = []
+    def _generate(self, requests: list[Generation]) -> list[list[int]]:
+        first = requests[0]
+        if len(requests) > self.generate_rows or any(
+            (r.until, r.max_new_tokens, r.temperature, r.seed)
+            != (first.until, first.max_new_tokens, first.temperature, first.seed)
+            for r in requests
+        ):
+            raise ValueError(
+                f"generations continued together are at most {self.generate_rows}, alike but "
+                "for their ids"
+            )
+        prompts = [r.ids for r in requests] + [first.ids] * (self.generate_rows - len(requests))
+        eos = self.tokenizer.eos_id
+        new: list[list[int] | None] = [None] * len(requests)  # each row's ids once it ends
         with self.model.on_params_mesh():
-            for picked in picked_ids(
+            decoding = Decoding(
                 self.model,
-                ids,
-                bucket=bucket,
-                cache_length=bucket_length(bucket + request.max_new_tokens),
-                temperature=request.temperature,
+                prompts,
+                first.max_new_tokens,
+                first.temperature,
+                stop_ids=(eos,),
                 vocab_size=min(self.tokenizer.vocab_size, self.vocab_rows),
-                seed=request.seed,
+                seed=first.seed,
                 put=self._put,
-            ):
-                if picked == self.tokenizer.eos_id:
-                    break
-                new.append(picked)
-                if len(new) == request.max_new_tokens or self._ends(new, request.until):
-                    break
+            )
+            stopped = np.zeros(len(prompts), bool)
+            stopped[len(requests) :] = True  # the padding rows: nothing to read
+            checked = 0  # steps whose texts were checked
+            while not stopped.all():
+                picked = decoding.advance(STOP_CHECK_STEPS, stopped)
+                for row in np.flatnonzero(~stopped):
+                    ids = picked[row].tolist()
+                    end = self._end(ids, checked, decoding.done[row], first.until)
+                    if end is not None or decoding.finished:
+                        new[row] = ids[:end]
+                        stopped[row] = True
+                checked = decoding.steps
         return new
+
+    def _end(self, ids: list[int], checked: int, done: bool, until: tuple[str, ...]) -> int | None:
+        """Where a row's ids end, if they have: before eos (a done row picked it), or with the
+        first token from `checked` on whose text completes a stop string (as lm-eval's hf model
+        stops: on the text, whatever tokens spell it)."""
+        length = ids.index(self.tokenizer.eos_id) if done else len(ids)
+        if any(stop and stop in self.tokenizer.decode(ids[:length]) for stop in until):
+            for end in range(max(checked, 1), length + 1):
+                if self._ends(ids[:end], until):
+                    return end
+        return length if done else None
 
     def _ends(self, new: list[int], until: tuple[str, ...]) -> bool:
         """Whether the text of the new ids holds one of the stop strings (as lm-eval's hf

@@ -8,9 +8,10 @@ registered as lm-eval's model "meshtrain" when this module is imported.
   max_length + 1 tokens, packed into fixed-shape batches (harness.packing) and scored together.
 - loglikelihood_rolling: a text's whole log-likelihood, from disjoint windows of max_length
   tokens, each scored as a loglikelihood request (as the hf model does).
-- generate_until: each prompt continued with the key/value cache (models.decode), greedy unless
-  the task samples, until one of the task's stop strings, eos or max_gen_toks tokens; the text
-  is cut before the first stop string.
+- generate_until: the prompts continued with the key/value cache (models.decode), greedy unless
+  the task samples, generate_batch rows at a time (those with the same generation kwargs), each
+  until one of the task's stop strings, eos or max_gen_toks tokens; the text is cut before the
+  first stop string.
 
 Build it from model_args (`lm_eval` / `python -m meshtrain.harness --model meshtrain
 --model_args checkpoint=DIR,...`, keys in harness.options) or around a loaded model:
@@ -129,7 +130,12 @@ class MeshtrainLM(TemplateLM):
                 f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                 f"{model.embed.shape[0]} embeddings; pass the checkpoint's own tokenizer"
             )
-        self.engine = Engine(model, tokenizer, batch_tokens=options.batch_tokens)
+        self.engine = Engine(
+            model,
+            tokenizer,
+            batch_tokens=options.batch_tokens,
+            generate_batch=options.generate_batch,
+        )
         self.progress = True  # progress bars on stderr (evaluate_in_place: off)
         self.meshtrain_tokenizer = tokenizer
         self.options = options
@@ -291,10 +297,11 @@ class MeshtrainLM(TemplateLM):
         return totals.tolist()
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
-        """Each (context, generation kwargs)'s continuation, cut before its first stop string."""
-        outputs = []
-        quiet = disable_tqdm or not self.progress
-        for request in tqdm(requests, disable=quiet, desc="generate_until"):
+        """Each (context, generation kwargs)'s continuation, cut before its first stop string.
+        Requests with the same generation kwargs are continued together, generate_batch at a
+        time, longest prompts first (as lm-eval's hf model batches them)."""
+        groups: dict[Generation, list[tuple[int, tuple[int, ...]]]] = {}
+        for index, request in enumerate(requests):
             context, gen_kwargs = request.args
             kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=None)
@@ -306,18 +313,29 @@ class MeshtrainLM(TemplateLM):
                 )
             sampled = kwargs.get("do_sample") and kwargs.get("temperature", 0.0) > 0
             ids = self.tok_encode(context)[-(self.max_length - max_new_tokens) :]
-            new = self.engine.generate(
-                Generation(
-                    ids=tuple(ids),
-                    until=tuple(until),
-                    max_new_tokens=max_new_tokens,
-                    temperature=float(kwargs["temperature"]) if sampled else 0.0,
-                    seed=int(kwargs.get("seed", 0) or 0),
-                )
+            kind = Generation(
+                ids=(),
+                until=tuple(until),
+                max_new_tokens=max_new_tokens,
+                temperature=float(kwargs["temperature"]) if sampled else 0.0,
+                seed=int(kwargs.get("seed", 0) or 0),
             )
-            text = postprocess_generated_text(self.tok_decode(new), until, None)
-            self.cache_hook.add_partial("generate_until", request.args, text)
-            outputs.append(text)
+            groups.setdefault(kind, []).append((index, tuple(ids)))
+        outputs: list[str] = [""] * len(requests)
+        size = self.engine.generate_rows
+        with tqdm(total=len(requests), disable=disable_tqdm or not self.progress) as bar:
+            for kind, members in groups.items():
+                members.sort(key=lambda member: -len(member[1]))
+                for start in range(0, len(members), size):
+                    batch = members[start : start + size]
+                    news = self.engine.generate(
+                        [dataclasses.replace(kind, ids=ids) for _, ids in batch]
+                    )
+                    for (index, _), new in zip(batch, news, strict=True):
+                        text = postprocess_generated_text(self.tok_decode(new), kind.until, None)
+                        self.cache_hook.add_partial("generate_until", requests[index].args, text)
+                        outputs[index] = text
+                    bar.update(len(batch))
         return outputs
 
 

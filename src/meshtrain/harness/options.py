@@ -14,7 +14,8 @@ from meshtrain.errors import ConfigError, did_you_mean
 
 DTYPES = ("float32", "bfloat16")
 # lm-eval passes these to every model it builds from a name (its --batch_size, --max_batch_size,
-# --device): meshtrain sizes its batches by batch_tokens and runs on the model's mesh instead.
+# --device): meshtrain sizes its batches by batch_tokens and generate_batch and runs on the
+# model's mesh instead.
 HARNESS_ARGS = ("batch_size", "max_batch_size", "device")
 
 
@@ -44,6 +45,9 @@ class ModelArgs:
     checkpoint, as its tokenizer.json's own rule says (as lm-eval's hf model); for a meshtrain
     checkpoint or export, yes if the tokenizer has one (as meshtrain trains: bos + document +
     eos)"""
+    generate_batch: int = 16
+    """prompts generate_until continues together (requests with the same generation kwargs),
+    rounded up to a multiple of the devices the batch is split over"""
     max_gen_toks: int = 256
     """generate_until's token limit when a task sets none (lm-eval's default)"""
 
@@ -110,7 +114,12 @@ def parse_model_args(args: Mapping[str, Any], *, require_checkpoint: bool = True
             given[key] = str(given[key])
     if given.get("dtype", "float32") not in DTYPES:
         raise ConfigError(f"model_args dtype={given['dtype']!r} must be one of {', '.join(DTYPES)}")
-    for key, minimum in (("max_length", 2), ("batch_tokens", 1), ("max_gen_toks", 1)):
+    for key, minimum in (
+        ("max_length", 2),
+        ("batch_tokens", 1),
+        ("generate_batch", 1),
+        ("max_gen_toks", 1),
+    ):
         if key in given:
             given[key] = _int(key, given[key], minimum)
     if "add_bos_token" in given:

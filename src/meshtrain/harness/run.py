@@ -215,6 +215,7 @@ def evaluate_in_place(
     max_length: int | None = None,
     batch_tokens: int = 4096,
     add_bos_token: bool | None = None,
+    generate_batch: int = 16,
 ) -> dict[str, dict[str, float]]:
     """{task: {metric: value}} of harness `tasks` (at most `limit` documents each) for `model`
     as it is: its arrays where they are, on their mesh (a training loop passes
@@ -232,6 +233,7 @@ def evaluate_in_place(
         max_length=max_length,
         batch_tokens=batch_tokens,
         add_bos_token=add_bos_token,
+        generate_batch=generate_batch,
     )
     lm.progress = False  # a training run's console has its own
     engine = lm.engine

@@ -13,14 +13,14 @@ a stop id or max_new_tokens. On a sharded model (`meshtrain.load_hf(path, mesh)`
 `load_checkpoint`) it runs under the parameters' mesh, the rows over the batch axes and the
 cache sharded like the layers' keys and values. Tokens/s: docs/models.md.
 
-The harness's generation (lm-eval's generate_until, whose stop strings are checked on the host)
-reads the picked ids one at a time from `picked_ids`: a prefill program and a decode-step
-program, each returning one token and the next random key.
+The harness's generation (lm-eval's generate_until, whose stop strings are checked on the text)
+runs the same steps as a `Decoding`: a prefill program, then a program that decodes a stretch of
+steps, after which the caller stops the rows whose text holds a stop string.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -87,67 +87,28 @@ def _top_k_top_p(logits: jax.Array, top_k, top_p) -> jax.Array:
     return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
-@partial(nnx.jit, static_argnames=("cache_length", "vocab_size", "greedy"), graph=False)
-def _prefill(model, tokens, length, seed, temperature, *, cache_length, vocab_size, greedy):
-    """The first new token after tokens[0, :length] (int32 [1, bucket]), the cache, the key."""
-    logits, cache = decode.prefill(model, tokens, length, cache_length)  # [1, V]
-    key, step_key = jax.random.split(jax.random.key(seed))
-    token = _pick(logits, step_key, temperature, vocab_size=vocab_size, greedy=greedy)[0]
-    return constrain(token, (), model.rules), cache, key  # replicated: every process reads it
+Carry = tuple  # (step, token [B], cache, key, picked [B, max_new_tokens], done [B]): a decoding
 
 
-@partial(nnx.jit, static_argnames=("vocab_size", "greedy"), donate_argnames=("cache",), graph=False)
-def _decode(model, token, position, cache, key, temperature, *, vocab_size, greedy):
-    """The token after `token` (int32 scalar) at `position`, the updated cache, the next key."""
-    logits, cache = decode.decode_step(model, token.reshape(1, 1), position, cache)  # [1, V]
-    key, step_key = jax.random.split(key)
-    token = _pick(logits, step_key, temperature, vocab_size=vocab_size, greedy=greedy)[0]
-    return constrain(token, (), model.rules), cache, key
-
-
-@partial(
-    nnx.jit,
-    static_argnames=("max_new_tokens", "vocab_size", "greedy", "truncate"),
-    graph=False,
-)
-def _generate_batch(
-    model,
-    tokens,
-    pad,
-    stop_ids,
-    seed,
-    temperature,
-    top_k,
-    top_p,
-    *,
-    max_new_tokens: int,
-    vocab_size: int,
-    greedy: bool,
-    truncate: bool,
-) -> tuple[jax.Array, jax.Array]:
-    """Up to max_new_tokens ids after each left-padded prompt of tokens [B, P] (int32; `pad` [B]
-    padding slots before each): one prefill, then decode steps in a loop on the device until
-    every row has picked one of `stop_ids` [n] or max_new_tokens are picked. Returns the picked
-    ids [B, max_new_tokens] (0 after a row's stop id) and the steps run (a scalar)."""
+def _begin(model, tokens, pad, stop_ids, seed, pick, max_new_tokens: int) -> Carry:
+    """The prefill of the left-padded prompts tokens [B, P] (`pad` [B] padding slots before
+    each) into a cache with room for max_new_tokens more, and the first picked id of each row."""
     batch, bucket = tokens.shape
-    pick = partial(
-        _pick,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        vocab_size=vocab_size,
-        greedy=greedy,
-        truncate=truncate,
-    )
     logits, cache = decode.prefill(model, tokens, bucket, bucket + max_new_tokens, pad)  # [B, V]
     key, step_key = jax.random.split(jax.random.key(seed))
     token = constrain(pick(logits, step_key), ("batch",), model.rules)  # [B]
     picked = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token)
-    done = jnp.isin(token, stop_ids)  # [B]
+    return jnp.int32(1), token, cache, key, picked, jnp.isin(token, stop_ids)
+
+
+def _advance(model, carry: Carry, limit, pad, stop_ids, pick, bucket: int) -> Carry:
+    """Decode steps in a loop on the device, from the carry's step until every row has picked
+    one of `stop_ids` (or is done) or `limit` ids are picked (at most the picked array's)."""
+    limit = jnp.minimum(limit, carry[4].shape[1])
 
     def more(carry) -> jax.Array:
         step, *_, done = carry
-        return (step < max_new_tokens) & ~jnp.all(done)
+        return (step < limit) & ~jnp.all(done)
 
     def next_token(carry):
         step, token, cache, key, picked, done = carry
@@ -158,46 +119,102 @@ def _generate_batch(
         picked = jax.lax.dynamic_update_slice_in_dim(picked, token[:, None], step, axis=1)
         return step + 1, token, cache, key, picked, done | jnp.isin(token, stop_ids)
 
-    carry = (jnp.int32(1), token, cache, key, picked, done)
-    steps, _, _, _, picked, _ = jax.lax.while_loop(more, next_token, carry)
+    return jax.lax.while_loop(more, next_token, carry)
+
+
+def _picker(temperature, top_k, top_p, *, vocab_size: int, greedy: bool, truncate: bool):
+    return partial(
+        _pick,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        vocab_size=vocab_size,
+        greedy=greedy,
+        truncate=truncate,
+    )
+
+
+SAMPLING = ("vocab_size", "greedy", "truncate")  # the static arguments of _picker
+
+
+@partial(nnx.jit, static_argnames=("max_new_tokens", *SAMPLING), graph=False)
+def _generate_batch(
+    model, tokens, pad, stop_ids, seed, temperature, top_k, top_p, *, max_new_tokens, **static
+) -> tuple[jax.Array, jax.Array]:
+    """Up to max_new_tokens ids after each left-padded prompt of tokens [B, P] (int32; `pad` [B]
+    padding slots before each): one prefill, then decode steps in a loop on the device until
+    every row has picked one of `stop_ids` [n] or max_new_tokens are picked. Returns the picked
+    ids [B, max_new_tokens] (0 after a row's stop id) and the steps run (a scalar)."""
+    pick = _picker(temperature, top_k, top_p, **static)
+    carry = _begin(model, tokens, pad, stop_ids, seed, pick, max_new_tokens)
+    carry = _advance(model, carry, max_new_tokens, pad, stop_ids, pick, tokens.shape[1])
+    steps, picked = carry[0], carry[4]
     return constrain(picked, (), model.rules), steps  # replicated: every process reads them
 
 
-def picked_ids(
-    model: Transformer,
-    ids: np.ndarray,
-    *,
-    bucket: int,
-    cache_length: int,
-    temperature: float,
-    vocab_size: int,
-    seed: int,
-    put: Callable[[np.ndarray | np.generic], Any] = lambda array: array,
-) -> Iterator[int]:
-    """The ids the model picks after the prompt `ids` (int32 [n], n <= bucket), one at a time,
-    for as long as the caller iterates: the prompt padded to `bucket` and run once (the cache
-    holds `cache_length` positions), then one decode step per further id. Run it under the
-    parameters' mesh; `put` makes each input an array on it (the harness's global arrays)."""
-    tokens = np.zeros((1, bucket), np.int32)  # [1, bucket]: the padding after the prompt is
-    tokens[0, : ids.size] = ids  # never seen by its causal queries
-    static = dict(vocab_size=int(vocab_size), greedy=temperature == 0)
-    temperature = put(np.float32(temperature))
-    token, cache, key = _prefill(
-        model,
-        put(tokens),
-        put(np.int32(ids.size)),
-        put(np.int32(seed)),
-        temperature,
-        cache_length=cache_length,
-        **static,
+@partial(nnx.jit, static_argnames=("max_new_tokens", *SAMPLING), graph=False)
+def _begin_program(
+    model, tokens, pad, stop_ids, seed, temperature, top_k, top_p, *, max_new_tokens, **static
+) -> Carry:
+    pick = _picker(temperature, top_k, top_p, **static)
+    return _begin(model, tokens, pad, stop_ids, seed, pick, max_new_tokens)
+
+
+@partial(nnx.jit, static_argnames=("bucket", *SAMPLING), donate_argnames=("carry",), graph=False)
+def _advance_program(
+    model, carry, stopped, limit, pad, stop_ids, temperature, top_k, top_p, *, bucket, **static
+) -> tuple[Carry, jax.Array, jax.Array]:
+    """_advance after marking the rows `stopped` [B] (by the caller) done; also returns the
+    picked ids and the done rows, replicated."""
+    pick = _picker(temperature, top_k, top_p, **static)
+    step, token, cache, key, picked, done = carry
+    carry = step, token, cache, key, picked, done | stopped
+    carry = _advance(model, carry, limit, pad, stop_ids, pick, bucket)
+    return carry, constrain(carry[4], (), model.rules), constrain(carry[5], (), model.rules)
+
+
+class _Prompts:
+    """Prompts left-padded to one bucket, as the generation programs take them."""
+
+    def __init__(self, prompts: Sequence[Sequence[int] | np.ndarray], bucket: int | None):
+        rows = [np.asarray(ids, np.int32).reshape(-1) for ids in prompts]
+        if any(not ids.size for ids in rows):
+            raise ValueError("a prompt has no tokens to start from")
+        longest = max(ids.size for ids in rows)
+        if bucket is None:
+            bucket = prompt_bucket(longest)
+        elif bucket < longest:
+            raise ValueError(
+                f"bucket={bucket} is shorter than the longest prompt ({longest} tokens)"
+            )
+        self.tokens = np.zeros((len(rows), bucket), np.int32)  # [B, bucket], each at the end
+        self.pad = np.array([bucket - ids.size for ids in rows], np.int32)  # [B]
+        for row, ids in enumerate(rows):
+            self.tokens[row, self.pad[row] :] = ids
+
+
+def _sampling(model, temperature: float, top_k: int, top_p: float, vocab_size: int | None):
+    """The sampling inputs of the programs (as numpy scalars) and their static arguments."""
+    inputs = (np.float32(temperature), np.int32(top_k), np.float32(top_p))
+    static = dict(
+        vocab_size=int(model.embed.shape[0] if vocab_size is None else vocab_size),
+        greedy=temperature == 0,
+        truncate=temperature > 0 and (top_k > 0 or top_p < 1),
     )
-    position = ids.size  # where `token` goes in the sequence
-    while True:
-        yield int(token)
-        token, cache, key = _decode(
-            model, token, put(np.int32(position)), cache, key, temperature, **static
-        )
-        position += 1
+    return inputs, static
+
+
+def _stop_array(stop_ids: Iterable[int]) -> np.ndarray:
+    return np.asarray(sorted({int(i) for i in stop_ids}) or [-1], np.int32)  # -1: none stops
+
+
+def _through_stop(picked: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
+    """Each row of picked [B, steps] up to and with its first stop id."""
+    out = []
+    for row in picked:
+        hits = np.flatnonzero(np.isin(row, stops))
+        out.append(row[: hits[0] + 1] if hits.size else row)
+    return out
 
 
 def generate_ids_batch(
@@ -226,44 +243,91 @@ def generate_ids_batch(
     fixes once (a policy-gradient run's rollouts: one program for the run). `put` makes each
     input an array on the parameters' mesh (global arrays, where the mesh spans processes that
     all make this call with the same prompts); every process gets every row's ids."""
-    rows = [np.asarray(ids, np.int32).reshape(-1) for ids in prompts]
-    if not rows:
+    if not prompts:
         return []
-    if any(not ids.size for ids in rows):
-        raise ValueError("a prompt has no tokens to start from")
+    padded = _Prompts(prompts, bucket)
     if max_new_tokens < 1:
-        return [np.zeros(0, np.int32) for _ in rows]
-    longest = max(ids.size for ids in rows)
-    if bucket is None:
-        bucket = prompt_bucket(longest)
-    elif bucket < longest:
-        raise ValueError(f"bucket={bucket} is shorter than the longest prompt ({longest} tokens)")
-    tokens = np.zeros((len(rows), bucket), np.int32)  # [B, bucket], each prompt at the end
-    pad = np.array([bucket - ids.size for ids in rows], np.int32)  # [B]
-    for row, ids in enumerate(rows):
-        tokens[row, pad[row] :] = ids
-    stops = sorted({int(i) for i in stop_ids}) or [-1]  # -1: no id stops a row
+        return [np.zeros(0, np.int32) for _ in prompts]
+    stops = _stop_array(stop_ids)
+    inputs, static = _sampling(model, temperature, top_k, top_p, vocab_size)
     with model.on_params_mesh():
         picked, steps = _generate_batch(
             model,
-            put(tokens),
-            put(pad),
-            put(np.asarray(stops, np.int32)),
+            put(padded.tokens),
+            put(padded.pad),
+            put(stops),
             put(np.int32(seed)),
-            put(np.float32(temperature)),
-            put(np.int32(top_k)),
-            put(np.float32(top_p)),
+            *map(put, inputs),
             max_new_tokens=max_new_tokens,
-            vocab_size=int(model.embed.shape[0] if vocab_size is None else vocab_size),
-            greedy=temperature == 0,
-            truncate=temperature > 0 and (top_k > 0 or top_p < 1),
+            **static,
         )
-    picked = np.asarray(picked)[:, : int(steps)]  # [B, steps]
-    out = []
-    for row in picked:
-        hits = np.flatnonzero(np.isin(row, stops))
-        out.append(row[: hits[0] + 1] if hits.size else row)
-    return out
+    return _through_stop(np.asarray(picked)[:, : int(steps)], stops)
+
+
+class Decoding:
+    """A batch of prompts decoded a stretch of steps at a time, for a caller that stops rows on
+    what they wrote between stretches (the harness's stop strings, checked on the text): the
+    same prefill and decode steps as generate_ids_batch (its arguments), in two programs, one
+    prefill and one stretch of decode steps, whatever the stretch's length. Run it under the
+    parameters' mesh (`put`: as generate_ids_batch's)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        prompts: Sequence[Sequence[int] | np.ndarray],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        *,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop_ids: Iterable[int] = (),
+        vocab_size: int | None = None,
+        seed: int = 0,
+        put: Callable[[np.ndarray | np.generic], Any] = lambda array: array,
+    ):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        padded = _Prompts(prompts, None)
+        self.model, self.put = model, put
+        self.rows, self.bucket = padded.tokens.shape
+        inputs, self.static = _sampling(model, temperature, top_k, top_p, vocab_size)
+        self.inputs = (put(padded.pad), put(_stop_array(stop_ids)), *map(put, inputs))
+        self.carry = _begin_program(
+            model,
+            put(padded.tokens),
+            *self.inputs[:2],
+            put(np.int32(seed)),
+            *self.inputs[2:],
+            max_new_tokens=max_new_tokens,
+            **self.static,
+        )
+        self.steps = 1
+        self.max_new_tokens = max_new_tokens
+        self.done = np.zeros(self.rows, bool)  # [B]: rows that picked a stop id or were stopped
+
+    @property
+    def finished(self) -> bool:
+        """Whether no row decodes further: each is done, or max_new_tokens are picked."""
+        return bool(self.done.all()) or self.steps >= self.max_new_tokens
+
+    def advance(self, steps: int, stopped: np.ndarray | None = None) -> np.ndarray:
+        """Marks the rows `stopped` (bool [B]) done, decodes up to `steps` more ids for the
+        others, and returns every id picked so far, int32 [B, steps so far] (0 after a row is
+        done)."""
+        stopped = np.zeros(self.rows, bool) if stopped is None else np.asarray(stopped, bool)
+        limit = min(self.steps + steps, self.max_new_tokens)
+        self.carry, picked, done = _advance_program(
+            self.model,
+            self.carry,
+            self.put(stopped),
+            self.put(np.int32(limit)),
+            *self.inputs,
+            bucket=self.bucket,
+            **self.static,
+        )
+        self.done = np.asarray(done) | stopped
+        self.steps = int(self.carry[0])
+        return np.asarray(picked)[:, : self.steps]
 
 
 def generation_program(
