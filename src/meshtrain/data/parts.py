@@ -6,9 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 
 @dataclass(frozen=True)
 class Part:
@@ -40,6 +37,9 @@ def split_jsonl(path: Path, unit_bytes: int) -> list[Part]:
 def split_parquet(path: Path, unit_bytes: int) -> list[Part] | None:
     """Cuts a parquet file into ranges of row groups of about `unit_bytes` (compressed), or None
     if its footer cannot be read (the reader then reports the file)."""
+    import pyarrow as pa  # here: a run without parquet files never loads it
+    import pyarrow.parquet as pq
+
     try:
         meta = pq.ParquetFile(path).metadata
     except (pa.ArrowInvalid, OSError):

@@ -13,15 +13,15 @@ import sysconfig
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Any
 
 from meshtrain.data.bad_records import ON_BAD_RECORD, SKIP_HINT, BadRecords, fault
 from meshtrain.data.parts import Part
 from meshtrain.data.unicode import lone_surrogate
 from meshtrain.errors import DataError
+
+if TYPE_CHECKING:
+    import pyarrow.parquet as pq
 
 FORMATS = ("jsonl", "jsonl.gz", "parquet", "text")
 RECORD_FORMATS = ("jsonl", "jsonl.gz", "parquet")  # files of records (chat, preference data)
@@ -263,6 +263,9 @@ def _parquet_column(file: pq.ParquetFile, path: Path, text_key: str) -> None:
 
 def _read_parquet(path, text_key, on_bad_record, bad, part) -> Iterator[tuple[int, str]]:
     """Reads the `text_key` column one row group at a time, never the whole file."""
+    import pyarrow as pa  # here: a run without parquet files never loads it
+    import pyarrow.parquet as pq
+
     try:
         file = pq.ParquetFile(path)
         _parquet_column(file, path, text_key)
@@ -365,6 +368,9 @@ def _records(
     if fmt != "parquet":
         yield from _jsonl_records(path, on_bad_record, bad, part)
         return
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         file = pq.ParquetFile(path)
         columns = [k for k in keys if k in file.schema_arrow.names]

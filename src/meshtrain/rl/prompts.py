@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from meshtrain.data.bad_records import BadRecords
 from meshtrain.data.chat.encoder import ChatEncoder, build_chat_encoder
@@ -90,7 +89,7 @@ def read_prompts(
     convert = _converter(encoder, prompt_key)
     for path in files:
         # Every column of a parquet file: the reward functions may read any of them.
-        keys = pq.ParquetFile(path).schema_arrow.names if document_format(path) == "parquet" else ()
+        keys = _parquet_columns(path) if document_format(path) == "parquet" else ()
         records = read_records(path, convert, keys=keys, on_bad_record=on_bad_record, bad=bad)
         prompts.extend(prompt for _, prompt in records)
     if bad.total:
@@ -117,3 +116,9 @@ def _converter(encoder: ChatEncoder, prompt_key: str):
         return Prompt(np.asarray(ids, np.int32), stop_ids, prompt, columns)
 
     return convert
+
+
+def _parquet_columns(path) -> list[str]:
+    import pyarrow.parquet as pq  # here: prompts in jsonl never load it
+
+    return pq.ParquetFile(path).schema_arrow.names
