@@ -19,7 +19,12 @@ RIGHT, OFF_BY_ONE = 2, 3  # answers per problem in the SFT data
 
 
 def chat(question: str, answer: str) -> dict:
-    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+    return {
+        "messages": [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": answer},
+        ]
+    }
 
 
 def prompt(question: str, answer: int) -> dict:
