@@ -24,7 +24,7 @@ from meshtrain.cli.eval import default_output
 
 KEYS = (
     "checkpoint, tokenizer, mesh_shape, dtype, max_length, batch_tokens, add_bos_token, "
-    "max_gen_toks"
+    "generate_batch, max_gen_toks"
 )
 
 

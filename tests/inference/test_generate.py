@@ -22,12 +22,8 @@ from scipy import stats
 import meshtrain
 from meshtrain.config import ModelConfig
 from meshtrain.data.tokenizer import ByteTokenizer
-from meshtrain.inference.generate import (
-    Decoding,
-    generate_ids,
-    generate_ids_batch,
-    prompt_bucket,
-)
+from meshtrain.inference.decoding import Decoding, prompt_bucket
+from meshtrain.inference.generate import generate_ids, generate_ids_batch
 from meshtrain.models.transformer import Transformer
 
 PROMPT = tiny_hf.PROMPT
@@ -172,7 +168,7 @@ def test_a_generation_is_one_compiled_program(loaded, caplog):
         meshtrain.generate(model, tokenizer, PROMPT, **SAMPLED, seed=3)
         compiled = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
         meshtrain.generate(model, tokenizer, other, **SAMPLED, seed=3)
-    assert len(compiled) == 1 and "_generate_batch" in compiled[0], compiled
+    assert len(compiled) == 1 and "generate_batch_program" in compiled[0], compiled
     again = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
     assert again == compiled
 

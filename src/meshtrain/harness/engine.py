@@ -25,7 +25,7 @@ from jax.experimental import multihost_utils
 from meshtrain.data.tokenizer import Tokenizer
 from meshtrain.harness import programs
 from meshtrain.harness.packing import PackedBatch
-from meshtrain.inference.generate import Decoding
+from meshtrain.inference.decoding import Decoding
 from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.rules import mesh_axes_for
 

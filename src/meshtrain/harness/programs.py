@@ -1,8 +1,8 @@
 """The harness's scoring program, `score`: the log-probability of each target token of a packed
-batch, and whether it is the model's most likely one (generation runs inference.generate's
-programs, `picked_ids`).
+batch, and whether it is the model's most likely one (generation runs inference.decoding's
+programs, through `inference.decoding.Decoding`).
 
-It takes the model as a pytree (nnx.jit, graph=False, as inference.generate): its arrays are
+It takes the model as a pytree (nnx.jit, graph=False, as inference.decoding): its arrays are
 the model's own (no copy), so a training run evaluates its current parameters in place, and a
 model rebuilt around other arrays of the same shapes reuses the compiled program.
 It runs under the parameters' mesh (`jax.set_mesh`, by the caller), its inputs are global

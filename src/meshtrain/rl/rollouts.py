@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from meshtrain.config.objective import ObjectiveConfig, generation_cycle
-from meshtrain.inference.generate import generation_program
+from meshtrain.inference.decoding import generation_program
 from meshtrain.models.abstract import AbstractModel, merge_model
 from meshtrain.parallel.arrays import global_array
 from meshtrain.rl.prompts import PromptSet
