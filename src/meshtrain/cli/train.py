@@ -215,8 +215,10 @@ def compilation_cache_dir(
 
 def configure_compilation_cache(setting: str | None) -> str | None:
     """Turns JAX's persistent compilation cache on in compilation_cache_dir(setting), or off;
-    returns the directory. Must run before the first compile. Compiles that take at least
-    jax_persistent_cache_min_compile_time_secs (JAX's default: 1 s) are cached."""
+    returns the directory. Must run before the first compile. Every compile is cached (JAX
+    caches only those of 1 s or more by default: the initialisation programs of a small model
+    would compile again at each launch), unless $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
+    sets another threshold."""
     import jax  # here, so that `--help` and `--cfg job` need no JAX
 
     directory = compilation_cache_dir(
@@ -230,6 +232,8 @@ def configure_compilation_cache(setting: str | None) -> str | None:
         return None
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", directory)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return directory
 
 
