@@ -10,7 +10,6 @@ import logging
 import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,6 @@ from meshtrain.config.run_record import keep_run_record
 from meshtrain.config.schema import Config
 from meshtrain.data import BatchIterator, MixedDataset
 from meshtrain.distributed.preemption import StopSignals
-from meshtrain.models.initialization import initial_params
 from meshtrain.observe.metrics import MetricsWriter, setup_logging
 from meshtrain.observe.progress import phase
 from meshtrain.observe.throughput import ThroughputMeter
@@ -50,17 +48,17 @@ from meshtrain.train.optimizer import build_optimizer
 from meshtrain.train.reference_scores import score_datasets
 from meshtrain.train.resume import check_resume, run_meta
 from meshtrain.train.setup import Setup, prepare
+from meshtrain.train.starting_weights import StartingWeights
 from meshtrain.train.state import (
     TrainState,
     abstract_train_state,
     create_train_state,
-    init_compiler_options,
     join_state,
     split_state,
     state_shardings,
 )
-from meshtrain.weights.initial_weights import check_initial_weights, load_initial_params
-from meshtrain.weights.lora_base import initial_adapters, load_frozen_base
+from meshtrain.weights.initial_weights import check_initial_weights
+from meshtrain.weights.lora_base import initial_adapters
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +102,12 @@ def train(cfg: Config, run_dir: Path, *, devices: Sequence[jax.Device] | None = 
     ):  # the last write commits before handlers go
         train_step, batch_sharding = compile_train_step(setup, tx, shardings)
         _, communication = inspect_compiled(setup, train_step, tx, shardings, run_dir, is_main)
+        weights = StartingWeights(setup, shardings, checkpoints.directory)
         if precomputed_reference(cfg.objective):  # the rows carry the reference's scores
-            reference = partial(_reference_weights, setup, shardings, checkpoints.directory)
-            score_datasets(setup, shardings, reference)
+            score_datasets(setup, shardings, weights.reference)
         batches = _batch_iterator(setup, batch_sharding)
-        state, start_step = _initial_state(setup, checkpoints, tx, shardings, batches)
+        state, start_step = _initial_state(setup, checkpoints, tx, shardings, batches, weights)
+        del weights  # what a resumed start read for the scores goes
         batches.follow(state)  # a policy-gradient run samples from the policy it trains
         clock = StepClock(start_step)
         saves = SaveCheckpoint(cfg.checkpoint, checkpoints=checkpoints, batches=batches)
@@ -237,22 +236,18 @@ def _initial_state(
     tx: optax.GradientTransformation,
     shardings: TrainState,
     batches: BatchSource,
+    weights: StartingWeights,
 ) -> tuple[TrainState, int]:
     """The resumed state and its step (the data moved there), or a fresh state at step 0."""
-    cfg, model, run_checkpoints = setup.cfg, setup.model, checkpoints.directory
+    cfg, model = setup.cfg, setup.model
     frozen = None
     if model.lora:  # read at every start: the checkpoints hold only the adapters
-        with phase(log, "reading the frozen LoRA base", "read the frozen LoRA base"):
-            frozen = load_frozen_base(cfg, model, checkpoint_dir_of_run=run_checkpoints)
+        frozen = weights.base()
     elif setup.reference_copy:  # read at every start: the checkpoints hold the policy only
-        with phase(log, "reading the reference (the starting weights)", "read the reference"):
-            frozen = _starting_params(cfg, model, shardings, checkpoint_dir_of_run=run_checkpoints)
+        frozen = weights.params()
 
     def fresh() -> tuple[Any, TrainState]:
-        if model.lora:
-            params = initial_adapters(cfg, model)
-        else:
-            params = load_initial_params(cfg, model, checkpoint_dir_of_run=run_checkpoints)
+        params = initial_adapters(cfg, model) if model.lora else weights.policy()
         base = frozen if model.lora else None  # (a reference copy joins the state below)
         state = create_train_state(cfg.model, tx, shardings, cfg.training.seed, params, base)
         return split_state(state)
@@ -260,30 +255,6 @@ def _initial_state(
     with phase(log, "preparing the train state", "prepared the train state"):
         params, rest, start_step = checkpoints.restore_or_init(fresh, batches)
     return join_state(params, rest, frozen), start_step
-
-
-def _reference_weights(setup: Setup, shardings: TrainState, checkpoint_dir_of_run: Path) -> Any:
-    """What objective.reference=precomputed scores the pairs with: the LoRA base (read with the
-    adapters off), else the starting weights."""
-    cfg, model = setup.cfg, setup.model
-    if model.lora:
-        with phase(log, "reading the frozen LoRA base", "read the frozen LoRA base"):
-            return load_frozen_base(cfg, model, checkpoint_dir_of_run=checkpoint_dir_of_run)
-    with phase(log, "reading the reference (the starting weights)", "read the reference"):
-        return _starting_params(cfg, model, shardings, checkpoint_dir_of_run=checkpoint_dir_of_run)
-
-
-def _starting_params(
-    cfg: Config, model: Any, shardings: TrainState, *, checkpoint_dir_of_run: Path
-) -> Any:
-    """The parameters a fresh run of `cfg` starts from, in their shardings: those it loads
-    (checkpoint.load_params, model.init_from), else its random initial draw, the same as a
-    fresh state's (a preference objective's reference, train.objectives.preference)."""
-    params = load_initial_params(cfg, model, checkpoint_dir_of_run=checkpoint_dir_of_run)
-    if params is None:
-        options = init_compiler_options(shardings)
-        params = initial_params(cfg.model, cfg.training.seed, shardings.params, options)
-    return params
 
 
 def _evaluation_hooks(setup: Setup, shardings: TrainState) -> list[Hook]:
