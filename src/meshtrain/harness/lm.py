@@ -323,7 +323,8 @@ class MeshtrainLM(TemplateLM):
             groups.setdefault(kind, []).append((index, tuple(ids)))
         outputs: list[str] = [""] * len(requests)
         size = self.engine.generate_rows
-        with tqdm(total=len(requests), disable=disable_tqdm or not self.progress) as bar:
+        quiet = disable_tqdm or not self.progress
+        with tqdm(total=len(requests), disable=quiet, desc="generate_until") as bar:
             for kind, members in groups.items():
                 members.sort(key=lambda member: -len(member[1]))
                 for start in range(0, len(members), size):
