@@ -90,7 +90,7 @@ def _run(tmp_path, chats, mesh, micro, devices, *extra):
 SPLITS = [
     ("[[8,1],[fsdp,tp]]", 1, 8, ()),
     ("[[4,2],[fsdp,tp]]", 2, 8, ()),
-    ("[[1,1],[fsdp,tp]]", 2, 1, ("training.gradient_accumulation_steps=4",)),
+    ("[[1,1],[fsdp,tp]]", 8, 1, ()),  # the whole batch at once
     pytest.param(
         "[[2,4],[pp,fsdp]]", 2, 8, ("training.pipeline.microbatches=2",), marks=pytest.mark.slow
     ),  # 20 s
@@ -99,7 +99,12 @@ SPLITS = [
 
 @pytest.fixture(scope="module")
 def one_device(uneven_chats, tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("one"), uneven_chats, "[[1,1],[fsdp,tp]]", 8, 1)
+    """One device, the global batch of 8 in 4 micro-batches of 2: their trained tokens differ,
+    so a loss averaged per micro-batch would not be the global batch's mean."""
+    accumulation = ("training.gradient_accumulation_steps=4",)
+    return _run(
+        tmp_path_factory.mktemp("one"), uneven_chats, "[[1,1],[fsdp,tp]]", 2, 1, *accumulation
+    )
 
 
 @pytest.mark.parametrize(("mesh", "micro", "devices", "extra"), SPLITS)
@@ -113,9 +118,9 @@ def test_the_loss_and_gradients_do_not_depend_on_the_split(
 
 
 def test_the_loss_is_the_trained_tokens_mean_over_the_global_batch(uneven_chats, one_device):
-    """The logged step-1 loss (of the one-device run) against one computed by hand from the
-    model's logits: the sum of the trained targets' -log p over the global batch, divided by
-    their number."""
+    """The logged step-1 loss (of the one-device run, accumulated over 4 micro-batches) against
+    one computed by hand from the model's logits: the sum of the trained targets' -log p over
+    the global batch, divided by their number."""
 
     logged = one_device[0, 0]
     cfg = compose_config(*_chat(uneven_chats))
