@@ -188,7 +188,7 @@ class Engine:
         first token from `checked` on whose text completes a stop string (as lm-eval's hf model
         stops: on the text, whatever tokens spell it)."""
         length = ids.index(self.tokenizer.eos_id) if done else len(ids)
-        if any(stop and stop in self.tokenizer.decode(ids[:length]) for stop in until):
+        if self._ends(ids[:length], until):
             for end in range(max(checked, 1), length + 1):
                 if self._ends(ids[:end], until):
                     return end

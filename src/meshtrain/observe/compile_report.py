@@ -29,6 +29,13 @@ class ProgramCompile:
     cudnn_attention_calls: int
     matmul_flops: float
 
+    def summary(self) -> str:
+        """'<seconds> s (<fusions> fusions, <calls> cuDNN attention calls)'."""
+        return (
+            f"{self.seconds:.1f} s ({self.fusions} fusions, {self.cudnn_attention_calls} cuDNN "
+            "attention calls)"
+        )
+
 
 def measure(compiled: Iterable[jax.stages.Compiled], seconds: float) -> ProgramCompile:
     """The fusions and cuDNN attention calls of programs that took `seconds` to compile."""
@@ -58,21 +65,12 @@ class CompileReport:
         lines = [
             f"compiled for {self.devices} × {self.device}: initialisation in "
             f"{self.init.seconds:.1f} s ({self.init.fusions} fusions), train step in "
-            f"{self.step.seconds:.1f} s ({self.step.fusions} fusions, "
-            f"{self.step.cudnn_attention_calls} cuDNN attention calls)",
+            f"{self.step.summary()}",
         ]
         if self.rollout is not None:
-            lines.append(
-                f"compiled the rollouts' sampling program in {self.rollout.seconds:.1f} s "
-                f"({self.rollout.fusions} fusions, {self.rollout.cudnn_attention_calls} cuDNN "
-                "attention calls)"
-            )
+            lines.append(f"compiled the rollouts' sampling program in {self.rollout.summary()}")
         if self.reference is not None:
-            lines.append(
-                f"compiled the reference's scoring program in {self.reference.seconds:.1f} s "
-                f"({self.reference.fusions} fusions, {self.reference.cudnn_attention_calls} "
-                "cuDNN attention calls)"
-            )
+            lines.append(f"compiled the reference's scoring program in {self.reference.summary()}")
         return lines
 
     def to_json(self) -> dict[str, Any]:
