@@ -16,7 +16,6 @@ from meshtrain import config as config_module
 from meshtrain.config import CheckpointConfig, Config, DataConfig, ModelConfig, TrainingConfig
 from meshtrain.config.schema import (
     ClusterDetection,
-    Family,
     LayerKind,
     MixedPrecision,
     ReduceDtype,
@@ -25,7 +24,6 @@ from meshtrain.config.schema import (
 )
 from meshtrain.config.trackers import LoggingConfig, MlflowConfig, WandbConfig
 from meshtrain.distributed.environment import CLUSTER_METHODS
-from meshtrain.hf.config_json import FAMILIES
 from meshtrain.models.transformer import LAYER_KINDS, REMAT_POLICIES
 from meshtrain.train.gradients import REDUCE_DTYPES
 from meshtrain.train.step import COMPUTE_DTYPES
@@ -115,7 +113,6 @@ def test_the_default_groups_compose_to_the_schema_defaults():
         (MixedPrecision, tuple(COMPUTE_DTYPES)),
         (ReduceDtype, tuple(REDUCE_DTYPES)),
         (LayerKind, LAYER_KINDS),
-        (Family, FAMILIES),
         (ClusterDetection, CLUSTER_METHODS),
     ],
 )

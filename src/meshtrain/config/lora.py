@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from meshtrain.errors import ConfigError, did_you_mean, require
+from meshtrain.families import family
+from meshtrain.families.vocabulary import PROJECTION_NAMES
 
 if TYPE_CHECKING:
     from meshtrain.config.schema import ModelConfig
@@ -18,18 +20,6 @@ if TYPE_CHECKING:
 BaseDtype = Literal["compute", "bf16", "int8", "nf4"]
 """model.lora.base_dtype: how the frozen base is stored (int8 and nf4: QLoRA)."""
 QUANTIZED: tuple[str, ...] = ("int8", "nf4")
-
-# Every projection an adapter can sit beside, in the order of a block: its module and the
-# Hugging Face / PEFT name of the module (target_modules).
-PROJECTIONS: dict[str, tuple[str, str]] = {
-    "q": ("attn", "q_proj"),
-    "k": ("attn", "k_proj"),
-    "v": ("attn", "v_proj"),
-    "o": ("attn", "o_proj"),
-    "gate": ("mlp", "gate_proj"),
-    "up": ("mlp", "up_proj"),
-    "down": ("mlp", "down_proj"),
-}
 
 
 @dataclass
@@ -42,7 +32,7 @@ class LoraConfig:
     """An adapter adds alpha / rank · x·A·B to its projection's output (PEFT's lora_alpha)."""
     dropout: float = 0.0
     """Dropout on an adapter's input during training (PEFT's lora_dropout); 0: none."""
-    targets: Any = field(default_factory=lambda: list(PROJECTIONS))  # list[str] | str
+    targets: Any = field(default_factory=lambda: list(PROJECTION_NAMES))  # list[str] | str
     """Projections that get adapters: a list of names among q, k, v, o, gate, up, down or regular expressions over them (e.g. [q,v]), or one such pattern (e.g. 'q|v')."""
     base_dtype: str = "compute"  # BaseDtype
     """Storage of the frozen base: compute (training.mixed_precision's dtype), bf16, or QLoRA's int8 / nf4 (block-quantised projections, dequantised per layer in the step)."""
@@ -56,31 +46,33 @@ def lora_enabled(model: ModelConfig) -> bool:
     return model.lora.rank > 0
 
 
-def target_projections(targets: list[str] | str) -> tuple[str, ...]:
-    """The projections `targets` (names or patterns, or one pattern) select, in block order;
-    ConfigError for an entry that selects none."""
+def target_projections(model: ModelConfig) -> tuple[str, ...]:
+    """The projections model.lora.targets (names or patterns, or one pattern) select among the
+    family's (families.vocabulary), in block order; ConfigError for an entry that selects none."""
+    targets = model.lora.targets
+    projections = [p.name for p in family(model.family).projections]
+    peft_names = {p.peft_name: p.name for p in family(model.family).projections}
     selected: set[str] = set()
-    hf_names = {hf: name for name, (_, hf) in PROJECTIONS.items()}
     for entry in [targets] if isinstance(targets, str) else targets:
         entry = str(entry).strip()
-        if entry in PROJECTIONS:
+        if entry in projections:
             selected.add(entry)
             continue
-        if entry in hf_names:  # PEFT's names (q_proj, ...) are accepted too
-            selected.add(hf_names[entry])
+        if entry in peft_names:  # PEFT's names (q_proj, ...) are accepted too
+            selected.add(peft_names[entry])
             continue
         try:
-            matched = {name for name in PROJECTIONS if re.fullmatch(entry, name)}
+            matched = {name for name in projections if re.fullmatch(entry, name)}
         except re.error:
             matched = set()
         if not matched:
             raise ConfigError(
                 f"model.lora.targets entry '{entry}' names no projection"
-                f"{did_you_mean(entry, [*PROJECTIONS, *hf_names])}; use names among "
-                f"{', '.join(PROJECTIONS)} or a pattern over them (e.g. 'q|v')"
+                f"{did_you_mean(entry, [*projections, *peft_names])}; use names among "
+                f"{', '.join(projections)} or a pattern over them (e.g. 'q|v')"
             )
         selected |= matched
-    return tuple(name for name in PROJECTIONS if name in selected)
+    return tuple(name for name in projections if name in selected)
 
 
 def check_lora(model: ModelConfig) -> None:
@@ -124,9 +116,9 @@ def check_lora(model: ModelConfig) -> None:
         "model.lora.quant_block",
     )
     require(bool(lora.targets), "model.lora.targets is empty; name projections, e.g. [q,v]")
-    projections = target_projections(lora.targets)
-    smallest = min(projections, key=lambda name: min(adapted_dims(model, name)))
-    limit = min(adapted_dims(model, smallest))
+    widths = {p.name: p.widths(model) for p in family(model.family).projections}
+    smallest = min(target_projections(model), key=lambda name: min(widths[name]))
+    limit = min(widths[smallest])
     require(
         lora.rank <= limit,
         f"model.lora.rank={lora.rank} exceeds projection {smallest}'s smaller side ({limit}), "
@@ -138,20 +130,6 @@ def check_lora(model: ModelConfig) -> None:
             str(lora.init_from).startswith("peft:") and len(str(lora.init_from)) > 5,
             f"model.lora.init_from={lora.init_from!r} must be peft:/path/to/adapter_dir",
         )
-
-
-def adapted_dims(model: ModelConfig, projection: str) -> tuple[int, int]:
-    """(input, output) widths of one projection of a block, as its adapter sees them."""
-    query, key_value = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    return {
-        "q": (model.d_model, query),
-        "k": (model.d_model, key_value),
-        "v": (model.d_model, key_value),
-        "o": (query, model.d_model),
-        "gate": (model.d_model, model.mlp_dim),
-        "up": (model.d_model, model.mlp_dim),
-        "down": (model.mlp_dim, model.d_model),
-    }[projection]
 
 
 LORA_DEFAULTS = {

@@ -20,6 +20,7 @@ from meshtrain.config.evaluation import EvalConfig
 from meshtrain.config.lora import LoraConfig
 from meshtrain.config.objective import ObjectiveConfig
 from meshtrain.config.trackers import LoggingConfig
+from meshtrain.families import DEFAULT_FAMILY
 
 Activation = Literal["silu", "gelu"]
 """model.mlp_activation: SwiGLU or GeGLU."""
@@ -31,8 +32,6 @@ RematPolicy = Literal["none", "full", "dots_saveable", "minimal"]
 """model.remat."""
 AttentionImpl = Literal["auto", "xla", "cudnn"]
 """model.attention: auto (cuDNN on NVIDIA GPUs in bf16/fp16 where the shapes allow, else the chunked XLA kernel), xla or cudnn."""
-Family = Literal["llama", "qwen3", "gemma3"]
-"""model.family: the Hugging Face architecture for import and export."""
 LrSchedule = Literal["cosine", "constant"]
 """training.lr_schedule."""
 MixedPrecision = Literal["fp32", "bf16"]
@@ -127,8 +126,8 @@ class ModelConfig:
     """Reuse the token embedding as the output projection."""
     init_std: float = 0.02
     """Standard deviation of the normal initialiser for weight matrices."""
-    family: str = "llama"  # Family
-    """Architecture family, for Hugging Face import and export: llama, qwen3 or gemma3."""
+    family: str = DEFAULT_FAMILY
+    """Architecture family, its block and its Hugging Face import and export: one registered in meshtrain.families (docs/models.md)."""
     max_seq_len: int = 2048
     """Longest sequence the model is made for (HF max_position_embeddings); bounds data.seq_len."""
     attention_pattern: list[str] = field(default_factory=lambda: ["global"])  # LayerKind

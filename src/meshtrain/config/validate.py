@@ -24,7 +24,6 @@ from meshtrain.config.schema import (
     DataConfig,
     DataSource,
     DataVerify,
-    Family,
     LayerKind,
     LrSchedule,
     MixedPrecision,
@@ -41,6 +40,7 @@ from meshtrain.config.schema import (
 )
 from meshtrain.config.trackers import check_logging
 from meshtrain.errors import ConfigError, require
+from meshtrain.families import family
 from meshtrain.hardware.accelerators import accelerator_named
 from meshtrain.hardware.gpu_specs import gpu_spec
 from meshtrain.parallel.mesh import MeshSpec
@@ -260,7 +260,7 @@ def check_config(cfg: Config) -> None:
 def _check_model_flavour(cfg: Config) -> None:
     """The fields that select a model family's features (configs/model/*.yaml)."""
     model = cfg.model
-    _one_of("model.family", model.family, choices(Family))
+    family(model.family)
     pattern = "[" + ",".join(model.attention_pattern) + "]"
     require(
         bool(model.attention_pattern)

@@ -1,4 +1,5 @@
-"""Hugging Face config.json ↔ the architecture fields of `ModelConfig`, for llama, qwen3 and gemma3.
+"""Hugging Face config.json ↔ the architecture fields of `ModelConfig`, for every registered
+family (meshtrain.families: its model_type, defaults, fixed features and own keys).
 
 Reads both the published format (rope_theta, rope_scaling, rope_local_base_freq,
 sliding_window_pattern; transformers 4.x) and the transformers 5 format (rope_parameters,
@@ -14,64 +15,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config.schema import Family, ModelConfig
+from meshtrain.config.schema import ModelConfig
 from meshtrain.errors import ConfigError
+from meshtrain.families import REGISTERED, Family, family, family_of_model_type
 
-_FAMILY_OF_MODEL_TYPE = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}
-_MODEL_TYPE: dict[Family, str] = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3_text"}
-FAMILIES = tuple(_MODEL_TYPE)  # the families this module reads and writes
-_ARCHITECTURE = {
-    "llama": "LlamaForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-}
-# Defaults of transformers' LlamaConfig, Qwen3Config and Gemma3TextConfig for the keys we read.
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-        "max_position_embeddings": 2048,
-    },
-    "qwen3": {
-        "vocab_size": 151936,
-        "hidden_size": 4096,
-        "intermediate_size": 22016,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-        "head_dim": 128,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-        "max_position_embeddings": 32768,
-    },
-    "gemma3": {
-        "vocab_size": 262208,
-        "hidden_size": 2304,
-        "intermediate_size": 9216,
-        "num_hidden_layers": 26,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True,
-        "rope_theta": 1_000_000.0,
-        "rope_local_base_freq": 10_000.0,
-        "query_pre_attn_scalar": 256,
-        "sliding_window": 4096,
-        "sliding_window_pattern": 6,
-    },
-}
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}
 _ACTIVATION_NAMES = {"silu": "silu", "gelu": "gelu_pytorch_tanh"}
 
@@ -104,12 +51,6 @@ HF_NAMES = {
     "scale_embeddings": "model_type",
     "query_pre_attn_scalar": "query_pre_attn_scalar",
 }
-# Only the fields a family's architecture fixes; the rest are free (scaling only when used).
-_FAMILY_FEATURES: dict[str, dict[str, Any]] = {
-    "llama": dict(qk_norm=False, post_norms=False, norm_scale_offset=0.0, scale_embeddings=False),
-    "qwen3": dict(qk_norm=True, post_norms=False, norm_scale_offset=0.0, scale_embeddings=False),
-    "gemma3": dict(qk_norm=True, post_norms=True, norm_scale_offset=1.0, scale_embeddings=True),
-}
 
 
 def read_config_json(directory: Path) -> dict[str, Any]:
@@ -125,7 +66,8 @@ def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
     """The language model's config: Gemma 3 4B/12B/27B nest it under text_config."""
     if "text_config" in hf:
         text = dict(hf["text_config"])
-        text.setdefault("model_type", "gemma3_text" if hf.get("model_type") == "gemma3" else None)
+        outer = hf.get("model_type")
+        text.setdefault("model_type", family_of_model_type(outer, "config.json").model_type)
         for key in ("tie_word_embeddings",):
             if key in hf and key not in text:
                 text[key] = hf[key]
@@ -133,19 +75,14 @@ def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
     return hf
 
 
-def family_of(hf: dict[str, Any], source: str) -> str:
-    model_type = _text_config(hf).get("model_type")
-    if model_type not in _FAMILY_OF_MODEL_TYPE:
-        raise ConfigError(
-            f"{source}: model_type {model_type!r} is not supported; meshtrain reads "
-            f"{', '.join(_FAMILY_OF_MODEL_TYPE)} checkpoints"
-        )
-    return _FAMILY_OF_MODEL_TYPE[model_type]
+def family_of(hf: dict[str, Any], source: str) -> Family:
+    """The family of an HF config.json (its language model's model_type)."""
+    return family_of_model_type(_text_config(hf).get("model_type"), source)
 
 
-def _rope(text: dict[str, Any], family: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(global, local) RoPE parameters as {rope_type, rope_theta, factor, ...}."""
-    defaults = _DEFAULTS[family]
+def _rope(text: dict[str, Any], family: Family) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(global, local) RoPE parameters as {rope_type, rope_theta, factor, ...}; `text` holds the
+    family's defaults."""
     params = text.get("rope_parameters")
     if params is not None and "full_attention" in params:  # transformers 5, per layer type
         return dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
@@ -153,28 +90,23 @@ def _rope(text: dict[str, Any], family: str) -> tuple[dict[str, Any], dict[str, 
         return dict(params), {}
     scaling = dict(text.get("rope_scaling") or {})
     scaling.setdefault("rope_type", scaling.pop("type", "default"))
-    scaling["rope_theta"] = text.get("rope_theta", defaults["rope_theta"])
+    scaling["rope_theta"] = text["rope_theta"]
     local = {}
-    if family == "gemma3":
-        local = {
-            "rope_type": "default",
-            "rope_theta": text.get("rope_local_base_freq", defaults["rope_local_base_freq"]),
-        }
+    if family.sliding_layers:
+        local = {"rope_type": "default", "rope_theta": text["rope_local_base_freq"]}
     return scaling, local
 
 
-def _layer_kinds(text: dict[str, Any], family: str, num_layers: int) -> list[str]:
-    if family != "gemma3":
+def _layer_kinds(text: dict[str, Any], family: Family, num_layers: int) -> list[str]:
+    """global or local, per layer; `text` holds the family's defaults."""
+    if not family.sliding_layers:
         if text.get("use_sliding_window"):
             raise ConfigError("use_sliding_window=true (Qwen sliding layers) is not supported")
         return ["global"] * num_layers
     if text.get("layer_types"):
         kinds = {"sliding_attention": "local", "full_attention": "global"}
         return [kinds[t] for t in text["layer_types"]]
-    period = text.get(
-        "sliding_window_pattern",
-        text.get("_sliding_window_pattern", _DEFAULTS[family]["sliding_window_pattern"]),
-    )
+    period = text["sliding_window_pattern"]
     return ["local" if (i + 1) % period else "global" for i in range(num_layers)]
 
 
@@ -189,7 +121,7 @@ def _shortest_period(kinds: list[str]) -> list[str]:
 def architecture_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
     """ModelConfig fields (architecture only, no mesh or training choices) of an HF config.json."""
     family = family_of(hf, source)
-    text = {**_DEFAULTS[family], **{k: v for k, v in _text_config(hf).items() if v is not None}}
+    text = {**family.hf_defaults, **{k: v for k, v in _text_config(hf).items() if v is not None}}
     unsupported = {
         "attention_bias": False,
         "mlp_bias": False,
@@ -215,7 +147,7 @@ def architecture_from_hf(hf: dict[str, Any], source: str = "config.json") -> dic
         raise ConfigError(f"{source}: partial_rotary_factor is not supported")
     kinds = _layer_kinds(text, family, num_layers)
     fields: dict[str, Any] = {
-        "family": family,
+        "family": family.name,
         "vocab_size": text["vocab_size"],
         "d_model": text["hidden_size"],
         "num_layers": num_layers,
@@ -237,9 +169,9 @@ def architecture_from_hf(hf: dict[str, Any], source: str = "config.json") -> dic
         "rope_high_freq_factor": float(global_rope.get("high_freq_factor", 4.0)),
         "rope_original_max_len": int(global_rope.get("original_max_position_embeddings", 8192)),
         "query_pre_attn_scalar": (
-            float(text["query_pre_attn_scalar"]) if family == "gemma3" else None
+            float(text["query_pre_attn_scalar"]) if family.attention_scale else None
         ),
-        **_FAMILY_FEATURES[family],
+        **family.features,
     }
     if len(kinds) != num_layers:
         raise ConfigError(f"{source}: layer_types has {len(kinds)} entries for {num_layers} layers")
@@ -298,10 +230,6 @@ def _shown(key: str, value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _whole(value: float) -> int | float:
-    return int(value) if float(value).is_integer() else value
-
-
 def model_config_from_hf(
     hf: dict[str, Any], *, name: str, source: str, **fields: Any
 ) -> ModelConfig:
@@ -313,22 +241,24 @@ def hf_config_from_model(
     model: ModelConfig, *, dtype: str, special_tokens: dict[str, int] | None = None
 ) -> dict[str, Any]:
     """config.json for `model` in the published format, loadable by transformers 4.5x and 5."""
-    features = _FAMILY_FEATURES[model.family]
-    for key, value in features.items():
+    spec = family(model.family)
+    for key, value in spec.features.items():
         if getattr(model, key) != value:
             raise ConfigError(
                 f"model.{key}={getattr(model, key)} cannot be exported as model.family="
-                f"{model.family} ({_ARCHITECTURE[model.family]} has {key}={value})"
+                f"{model.family} ({spec.architecture} has {key}={value})"
             )
     kinds = [
         model.attention_pattern[i % len(model.attention_pattern)] for i in range(model.num_layers)
     ]
-    if model.family != "gemma3" and "local" in kinds:
+    if not spec.sliding_layers and "local" in kinds:
+        with_local = [f.name for f in REGISTERED.values() if f.sliding_layers]
         raise ConfigError(
             f"model.attention_pattern={_shown('attention_pattern', model.attention_pattern)} "
-            f"has local layers, which {_ARCHITECTURE[model.family]} does not; export as gemma3"
+            f"has local layers, which {spec.architecture} does not; export as "
+            f"{' or '.join(with_local)}"
         )
-    if model.family != "gemma3" and model.query_pre_attn_scalar not in (None, model.head_dim):
+    if not spec.attention_scale and model.query_pre_attn_scalar not in (None, model.head_dim):
         raise ConfigError(
             f"model.query_pre_attn_scalar={model.query_pre_attn_scalar} cannot be exported as "
             f"model.family={model.family}; its attention scale is 1/sqrt(head_dim)"
@@ -345,8 +275,8 @@ def hf_config_from_model(
             "original_max_position_embeddings": model.rope_original_max_len,
         }
     config: dict[str, Any] = {
-        "architectures": [_ARCHITECTURE[model.family]],
-        "model_type": _MODEL_TYPE[model.family],
+        "architectures": [spec.architecture],
+        "model_type": spec.model_type,
         "vocab_size": model.vocab_size,
         "hidden_size": model.d_model,
         "intermediate_size": model.mlp_dim,
@@ -363,28 +293,7 @@ def hf_config_from_model(
         "attention_dropout": 0.0,
         "torch_dtype": dtype,
     }
-    if model.family == "gemma3":
-        config.update(
-            hidden_activation=_ACTIVATION_NAMES[model.mlp_activation],
-            # transformers types it int (Gemma 3 uses 256 and 168)
-            query_pre_attn_scalar=_whole(model.query_pre_attn_scalar or model.head_dim),
-            rope_local_base_freq=model.rope_local_theta or model.rope_theta,
-            sliding_window=model.sliding_window or model.max_seq_len,
-            layer_types=[
-                "sliding_attention" if kind == "local" else "full_attention" for kind in kinds
-            ],
-            attn_logit_softcapping=None,
-            final_logit_softcapping=None,
-        )
-    else:
-        config.update(hidden_act=_ACTIVATION_NAMES[model.mlp_activation], mlp_bias=False)
-    pattern = model.attention_pattern
-    if model.family == "gemma3" and pattern[-1] == "global" and "global" not in pattern[:-1]:
-        # what transformers < 4.53 reads instead of layer_types: every n-th layer is global
-        config["sliding_window_pattern"] = len(pattern)
-    if model.family == "qwen3":
-        config.update(
-            use_sliding_window=False, sliding_window=None, max_window_layers=model.num_layers
-        )
+    config[spec.activation_key] = _ACTIVATION_NAMES[model.mlp_activation]
+    config.update(spec.export_fields(model, kinds))
     config.update(special_tokens or {})
     return config

@@ -20,9 +20,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshtrain.config import ModelConfig
 from meshtrain.errors import ConfigError
+from meshtrain.families import REGISTERED
+from meshtrain.families.layouts import Layout
 from meshtrain.hf.config_json import check_matches, read_config_json
 from meshtrain.hf.safetensors_io import CheckpointReader
-from meshtrain.hf.tensor_map import MODEL_PREFIXES, Layout, ParamPath, hf_tensors
+from meshtrain.hf.tensor_map import MODEL_PREFIXES, ParamPath, hf_tensors
 from meshtrain.models.transformer import Transformer
 
 HF_SCHEME = "hf:"
@@ -53,7 +55,7 @@ def resolve_tensors(
     if prefix is None:
         raise ConfigError(
             f"{reader.directory} has no embed_tokens.weight under {', '.join(MODEL_PREFIXES)}; "
-            "it is not a llama, qwen3 or gemma3 language model checkpoint"
+            f"it is not a language model checkpoint of {', '.join(REGISTERED)}"
         )
     return hf_tensors(cfg, prefix)
 

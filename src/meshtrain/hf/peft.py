@@ -24,13 +24,15 @@ from typing import Any
 
 import jax
 
-from meshtrain.config.lora import PROJECTIONS, target_projections
+from meshtrain.config.lora import target_projections
 from meshtrain.config.schema import ModelConfig
 from meshtrain.errors import ConfigError
+from meshtrain.families import family
+from meshtrain.families.layouts import Layout
 from meshtrain.hf.load import read_params, unstacked_shapes
 from meshtrain.hf.safetensors_io import CheckpointReader, write_safetensors
 from meshtrain.hf.save import gather, locate
-from meshtrain.hf.tensor_map import HEADS_IN, HEADS_OUT, TRANSPOSE, Layout, ParamPath
+from meshtrain.hf.tensor_map import ParamPath
 
 log = logging.getLogger(__name__)
 
@@ -47,30 +49,27 @@ UNSUPPORTED_SETTINGS = (
     "modules_to_save",
 )
 PREFIX = "base_model.model.model.layers"
-MODULE = {"attn": "self_attn", "mlp": "mlp"}
-# Layout of (lora_A, lora_B) per projection.
-LAYOUTS: dict[str, tuple[Layout, Layout]] = {
-    "q": (TRANSPOSE, HEADS_IN),
-    "k": (TRANSPOSE, HEADS_IN),
-    "v": (TRANSPOSE, HEADS_IN),
-    "o": (HEADS_OUT, TRANSPOSE),
-    "gate": (TRANSPOSE, TRANSPOSE),
-    "up": (TRANSPOSE, TRANSPOSE),
-    "down": (TRANSPOSE, TRANSPOSE),
-}
 
 
 def peft_tensors(cfg: ModelConfig) -> dict[ParamPath, tuple[str, Layout]]:
-    """Our adapter path (unstacked: blocks/i/attn/q_lora_a) → (PEFT tensor name, layout)."""
+    """Our adapter path (unstacked: blocks/i/attn/q_lora_a) → (PEFT tensor name, layout), as
+    the family's vocabulary names each projection and lays out its adapter."""
+    projection = family(cfg.family).projection
     tensors = {}
     for i in range(cfg.num_layers):
-        for name in target_projections(cfg.lora.targets):
-            module, hf_module = PROJECTIONS[name]
-            base = f"{PREFIX}.{i}.{MODULE[module]}.{hf_module}"
-            layout_a, layout_b = LAYOUTS[name]
+        for name in target_projections(cfg):
+            target = projection[name]
+            base = f"{PREFIX}.{i}.{target.hf_module}"
+            layout_a, layout_b = target.adapter_layouts
+            module = target.module
             tensors[("blocks", i, module, f"{name}_lora_a")] = (f"{base}.lora_A.weight", layout_a)
             tensors[("blocks", i, module, f"{name}_lora_b")] = (f"{base}.lora_B.weight", layout_b)
     return tensors
+
+
+def _peft_names(cfg: ModelConfig) -> dict[str, str]:
+    """PEFT's target_modules name of each of the family's projections, by our name."""
+    return {p.name: p.peft_name for p in family(cfg.family).projections}
 
 
 def adapter_config(cfg: ModelConfig, base_model: str | None) -> dict[str, Any]:
@@ -83,7 +82,7 @@ def adapter_config(cfg: ModelConfig, base_model: str | None) -> dict[str, Any]:
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": [PROJECTIONS[n][1] for n in target_projections(lora.targets)],
+        "target_modules": [_peft_names(cfg)[n] for n in target_projections(cfg)],
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -187,7 +186,8 @@ def check_peft(cfg: ModelConfig) -> None:
             )
     targets = saved.get("target_modules") or []
     targets = sorted([targets] if isinstance(targets, str) else targets)
-    expected = sorted(PROJECTIONS[n][1] for n in target_projections(cfg.lora.targets))
+    peft_names = _peft_names(cfg)
+    expected = sorted(peft_names[n] for n in target_projections(cfg))
     for name, value, want in (
         ("rank", saved.get("r"), cfg.lora.rank),
         ("alpha", saved.get("lora_alpha"), cfg.lora.alpha),
@@ -195,7 +195,7 @@ def check_peft(cfg: ModelConfig) -> None:
     ):
         if value != want and not (name == "alpha" and float(value) == float(want)):
             shown = (
-                [n for n in PROJECTIONS if PROJECTIONS[n][1] in value]
+                [n for n, peft in peft_names.items() if peft in value]
                 if name == "targets"
                 else value
             )
@@ -222,9 +222,7 @@ def check_peft(cfg: ModelConfig) -> None:
 
 
 def _shown(name: str, cfg: ModelConfig) -> Any:
-    return (
-        list(target_projections(cfg.lora.targets)) if name == "targets" else getattr(cfg.lora, name)
-    )
+    return list(target_projections(cfg)) if name == "targets" else getattr(cfg.lora, name)
 
 
 def _value(name: str, value: Any) -> str:

@@ -155,9 +155,9 @@ def abstract_model(
     )
     if not model.lora:
         return model
-    check_quant_blocks(model.base_params, cfg.lora)
+    check_quant_blocks(model.base_params, cfg)
     frozen, frozen_shardings = frozen_layout(
-        model.base_params, model.base_shardings, cfg.lora, compute_dtype
+        model.base_params, model.base_shardings, cfg, compute_dtype
     )
     return dataclasses.replace(model, frozen_params=frozen, frozen_shardings=frozen_shardings)
 

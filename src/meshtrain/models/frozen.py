@@ -24,14 +24,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshtrain.config.lora import PROJECTIONS, QUANTIZED, LoraConfig
+from meshtrain.config.lora import QUANTIZED, LoraConfig
+from meshtrain.config.schema import ModelConfig
 from meshtrain.errors import ConfigError
+from meshtrain.families import family
 from meshtrain.models.quantize import Quantized, block_error, quantize, quantized_shapes
-
-# The axis the quantisation blocks run along, in a block's own (unstacked) weight, and that
-# weight's rank: the input axis (D for q, k, v, gate, up; F for down), the head axis H for o.
-_BLOCK_AXIS = {"q": 0, "k": 0, "v": 0, "o": 1, "gate": 0, "up": 0, "down": 0}
-_RANK = {"q": 3, "k": 3, "v": 3, "o": 3, "gate": 2, "up": 2, "down": 2}
 
 
 def storage_dtype(lora: LoraConfig, compute_dtype: Any) -> Any:
@@ -39,13 +36,15 @@ def storage_dtype(lora: LoraConfig, compute_dtype: Any) -> Any:
     return jnp.bfloat16 if lora.base_dtype == "bf16" else compute_dtype
 
 
-def _quantized_axis(path: tuple, leaf: Any, lora: LoraConfig) -> int | None:
-    """The blocked axis of the leaf at `path` when QLoRA quantises it, else None."""
-    name = path[-1] if path else None
-    if lora.base_dtype not in QUANTIZED or name not in PROJECTIONS or "blocks" not in path:
+def _quantized_axis(path: tuple, leaf: Any, cfg: ModelConfig) -> int | None:
+    """The blocked axis of the leaf at `path` when QLoRA quantises it, else None: the axis its
+    projection declares (families.vocabulary; the input axis, the head axis H for o) in the
+    block's own weight, after a leading layers axis under scan_layers."""
+    projection = family(cfg.family).projection.get(path[-1] if path else None)
+    if cfg.lora.base_dtype not in QUANTIZED or projection is None or "blocks" not in path:
         return None
-    stacked = len(leaf.shape) - _RANK[name]  # 1 under scan_layers: a leading layers axis
-    return _BLOCK_AXIS[name] + stacked
+    stacked = len(leaf.shape) - len(projection.axes)
+    return projection.block_axis + stacked
 
 
 def _map_with_path(fn, tree: Mapping, path: tuple = ()) -> dict:
@@ -68,13 +67,14 @@ def _spec_along(spec: PartitionSpec, ndim: int, axis: int, size: int, mesh: Any)
 
 
 def frozen_layout(
-    base_abstract: Mapping, base_shardings: Mapping, lora: LoraConfig, compute_dtype: Any
+    base_abstract: Mapping, base_shardings: Mapping, cfg: ModelConfig, compute_dtype: Any
 ) -> tuple[dict, dict]:
     """(ShapeDtypeStructs, shardings) of the stored base, from the base parameters' shapes and
     shardings: Quantized nodes where QLoRA quantises."""
+    lora = cfg.lora
 
     def shapes(path: tuple, leaf: Any) -> Any:
-        axis = _quantized_axis(path, leaf, lora)
+        axis = _quantized_axis(path, leaf, cfg)
         if axis is None:
             return jax.ShapeDtypeStruct(leaf.shape, storage_dtype(lora, compute_dtype))
         codes, absmax = quantized_shapes(leaf.shape, lora.base_dtype, lora.quant_block, axis)
@@ -112,11 +112,12 @@ def _leaf_at(tree: Mapping, path: tuple) -> Any:
     return tree
 
 
-def check_quant_blocks(base_abstract: Mapping, lora: LoraConfig) -> None:
+def check_quant_blocks(base_abstract: Mapping, cfg: ModelConfig) -> None:
     """ConfigError naming model.lora.quant_block when it cannot quantise a projection."""
+    lora = cfg.lora
 
     def check(path: tuple, leaf: Any) -> None:
-        axis = _quantized_axis(path, leaf, lora)
+        axis = _quantized_axis(path, leaf, cfg)
         if axis is None:
             return
         reason = block_error(leaf.shape, lora.base_dtype, lora.quant_block, axis)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtrain.config.schema import RopeScaling
+from meshtrain.families.vocabulary import ATTENTION, GATED_MLP
 from meshtrain.hardware.target import target_device
 from meshtrain.models.attention import AttentionKernel, WindowOfKind, dot_product_attention
 from meshtrain.models.context_attention import context_parallel_attention
@@ -210,22 +211,17 @@ class Attention(Projections):
         # Scores are divided by sqrt(head_dim) unless the model says otherwise (Gemma 3 27B: 168).
         self.score_scale_dim = query_pre_attn_scalar or head_dim
         self.rules = rules
-        self.q = normal_param(
-            rngs, (d_model, num_heads, head_dim), ("embed", "heads", "head_dim"), init_std
-        )
-        self.k = normal_param(
-            rngs, (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), init_std
-        )
-        self.v = normal_param(
-            rngs, (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), init_std
-        )
-        self.o = normal_param(
-            rngs, (num_heads, head_dim, d_model), ("heads", "head_dim", "embed"), init_std
-        )
+        shapes = {
+            "q": (d_model, num_heads, head_dim),
+            "k": (d_model, num_kv_heads, head_dim),
+            "v": (d_model, num_kv_heads, head_dim),
+            "o": (num_heads, head_dim, d_model),
+        }
         self.lora = lora
-        for name in ("q", "k", "v"):
-            add_adapter(self, name, rngs, lora)
-        add_adapter(self, "o", rngs, lora, inputs=2)  # o contracts heads and head_dim
+        for projection in ATTENTION:
+            name = projection.name
+            setattr(self, name, normal_param(rngs, shapes[name], projection.axes, init_std))
+            add_adapter(self, name, rngs, lora, inputs=projection.inputs)
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, eps=norm_eps, scale_offset=norm_scale_offset)
             self.k_norm = RMSNorm(head_dim, eps=norm_eps, scale_offset=norm_scale_offset)
@@ -341,12 +337,12 @@ class GatedMLP(Projections):
     ):
         self.activation = activation
         self.rules = rules
-        self.gate = normal_param(rngs, (d_model, mlp_dim), ("embed", "mlp"), init_std)
-        self.up = normal_param(rngs, (d_model, mlp_dim), ("embed", "mlp"), init_std)
-        self.down = normal_param(rngs, (mlp_dim, d_model), ("mlp", "embed"), init_std)
+        shapes = {"gate": (d_model, mlp_dim), "up": (d_model, mlp_dim), "down": (mlp_dim, d_model)}
         self.lora = lora
-        for name in ("gate", "up", "down"):
-            add_adapter(self, name, rngs, lora)
+        for projection in GATED_MLP:
+            name = projection.name
+            setattr(self, name, normal_param(rngs, shapes[name], projection.axes, init_std))
+            add_adapter(self, name, rngs, lora, inputs=projection.inputs)
 
     def __call__(self, x: jax.Array, dropout: AdapterDropout | None = None) -> jax.Array:
         """x: [B, T, D] → [B, T, D]."""

@@ -28,13 +28,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshtrain.config.lora import PROJECTIONS, lora_enabled, target_projections
+from meshtrain.config.lora import lora_enabled, target_projections
 from meshtrain.config.schema import ModelConfig
+from meshtrain.families.vocabulary import PROJECTION_NAMES
 from meshtrain.hardware.target import target_device
 from meshtrain.parallel.context import CONTEXT_AXIS
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
-PROJECTION_INDEX = {name: i for i, name in enumerate(PROJECTIONS)}  # salts the dropout keys
+PROJECTION_INDEX = {name: i for i, name in enumerate(PROJECTION_NAMES)}  # salts the dropout keys
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class LoraSpec:
 
     rank: int
     scale: float  # alpha / rank
-    targets: tuple[str, ...]  # projection names (config.lora.PROJECTIONS)
+    targets: tuple[str, ...]  # projection names (families.vocabulary)
     dropout: float = 0.0  # on the adapters' input, in training
 
     @classmethod
@@ -52,7 +53,7 @@ class LoraSpec:
         if not lora_enabled(cfg):
             return None
         lora = cfg.lora
-        targets = target_projections(lora.targets)
+        targets = target_projections(cfg)
         return cls(lora.rank, lora.alpha / lora.rank, targets, lora.dropout)
 
 

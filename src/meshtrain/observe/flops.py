@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from meshtrain.config import ModelConfig
 from meshtrain.config.lora import lora_enabled, target_projections
+from meshtrain.families import family
 from meshtrain.models.transformer import layer_kinds
 
 # Forward + backward (gradients of activations and of weights).
@@ -83,17 +84,19 @@ def forward_flops(
     windows = attention_windows(cfg) if windows is None else list(windows)
     if len(windows) != cfg.num_layers:
         raise ValueError(f"{len(windows)} attention windows for {cfg.num_layers} layers")
-    d, h, t = cfg.d_model, cfg.head_dim, seq_len
-    # Per token: q [D → N·H], k and v [D → K·H], o [N·H → D].
-    projections = 2 * t * d * h * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    h, t = cfg.head_dim, seq_len
+    # Per token, each of the family's projections (families.vocabulary): 2 · in · out.
+    per_token = {"attn": 0, "mlp": 0}
+    for projection in family(cfg.family).projections:
+        per_token[projection.module] += projection.flops_per_token(cfg)
+    projections, mlp = t * per_token["attn"], t * per_token["mlp"]
     # Per attended (query, key) pair and query head: q·k (2·H) and p·v (2·H).
     attention = sum(4 * h * cfg.num_heads * attended_keys(t, w) for w in windows)
-    mlp = 2 * t * 3 * d * cfg.mlp_dim  # gate and up [D → F], down [F → D]
     return FlopCount(
         projections=cfg.num_layers * projections,
         attention=attention,
         mlp=cfg.num_layers * mlp,
-        logits=2 * t * d * cfg.vocab_size,
+        logits=2 * t * cfg.d_model * cfg.vocab_size,
         adapters=cfg.num_layers * adapter_flops(cfg, t),
         frozen_base=lora_enabled(cfg),
     )
@@ -103,10 +106,8 @@ def adapter_flops(cfg: ModelConfig, seq_len: int) -> int:
     """Forward FLOPs of one block's LoRA adapters over `seq_len` tokens (0 without LoRA)."""
     if not lora_enabled(cfg):
         return 0
-    d, heads, kv = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    sizes = {"q": d + heads, "k": d + kv, "v": d + kv, "o": heads + d}
-    sizes |= {"gate": d + cfg.mlp_dim, "up": d + cfg.mlp_dim, "down": cfg.mlp_dim + d}
-    return sum(2 * seq_len * cfg.lora.rank * sizes[t] for t in target_projections(cfg.lora.targets))
+    widths = {p.name: sum(p.widths(cfg)) for p in family(cfg.family).projections}
+    return sum(2 * seq_len * cfg.lora.rank * widths[t] for t in target_projections(cfg))
 
 
 def train_flops_per_step(

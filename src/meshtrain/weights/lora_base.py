@@ -138,7 +138,7 @@ def lora_summary(cfg: ModelConfig, model: AbstractModel) -> str:
     frozen = jax.tree.leaves(model.frozen_params, is_leaf=is_quantized)
     stored = sum(map(_stored_bytes, frozen))
     return (
-        f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(target_projections(lora.targets))}: "
+        f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(target_projections(cfg))}: "
         f"{trainable:,} trainable parameters ({100 * trainable / total:.2f}% of {total:,}); "
         f"the base is frozen, stored as {lora.base_dtype}"
         + (f" (blocks of {lora.quant_block})" if lora.base_dtype in ("int8", "nf4") else "")
