@@ -1,4 +1,5 @@
-"""Prints the table of model configs for docs/models.md: architecture and parameter count.
+"""Prints the table of model configs for docs/models.md: architecture and parameter count (a
+mixture of experts' MLP as its experts × their width and the experts per token).
 
 python scripts/docs/model_table.py
 """
@@ -23,6 +24,8 @@ ORDER = [
     "qwen3_1_7b",
     "qwen3_4b",
     "qwen3_8b",
+    "qwen3_30b_a3b",
+    "mixtral_8x7b",
 ]
 
 
@@ -39,9 +42,12 @@ def row(name: str) -> str:
         rope += f" / local {m.rope_local_theta:,.0f}"
     if m.rope_scaling != "none":
         rope += f", {m.rope_scaling} ×{m.rope_scaling_factor:g}"
+    mlp = str(m.mlp_dim)
+    if m.moe.num_experts:  # a mixture of experts: E experts of width F, top-k per token
+        mlp = f"{m.moe.num_experts} × {m.moe.expert_dim}, top {m.moe.top_k}"
     return (
         f"| `model={name}` | {m.num_layers} | {m.d_model} | {m.num_heads}/{m.num_kv_heads} | "
-        f"{m.head_dim} | {m.mlp_dim} | {m.vocab_size:,} | {m.max_seq_len:,} | {attention} | "
+        f"{m.head_dim} | {mlp} | {m.vocab_size:,} | {m.max_seq_len:,} | {attention} | "
         f"{rope} | {'yes' if m.tie_embeddings else 'no'} | {parameter_count(m):,} |"
     )
 

@@ -33,7 +33,7 @@ from helpers.process import assert_one_line_error, run_training, subprocess_env
         ),
         (
             'model.mesh_shape=[[4,2],["data","tp"]]',
-            "unknown axis 'data'; known axes are dp, pp, fsdp, cp, tp",
+            "unknown axis 'data'; known axes are dp, pp, fsdp, ep, cp, tp",
         ),
         ("model.mesh_shape=[[4,2,1],[fsdp,tp]]", "has 3 sizes but 2 axis names"),
         (
@@ -43,7 +43,7 @@ from helpers.process import assert_one_line_error, run_training, subprocess_env
         ),
         (
             "model.mesh_shape=[[8,1],[fsdp,tp]] training.global_batch_size=12",
-            "training.global_batch_size=12 is not divisible by the batch shards (dp×fsdp=8) × "
+            "training.global_batch_size=12 is not divisible by the batch shards (dp×fsdp×ep=8) × "
             "training.gradient_accumulation_steps=1 = 8; use a multiple of 8, e.g. 8",
         ),
         (
@@ -168,7 +168,8 @@ def test_help_lists_the_config_groups():
         "experiment: gemma3_270m_chat, gemma3_270m_dpo, gemma3_270m_grpo, qwen3_0_6b_chat, "
         "qwen3_0_6b_dpo, qwen3_0_6b_grpo, tiny_fsdp, tiny_hybrid",
         "model: gemma3_12b, gemma3_1b, gemma3_270m, gemma3_27b, gemma3_4b, llama3_1b, "
-        "llama3_3b, llama3_8b, qwen3_0_6b, qwen3_1_7b, qwen3_4b, qwen3_8b, tiny",
+        "llama3_3b, llama3_8b, mixtral_8x7b, qwen3_0_6b, qwen3_1_7b, qwen3_30b_a3b, qwen3_4b, "
+        "qwen3_8b, tiny",
         "objective: dpo, grpo, lm",
         "training: default",
     ):

@@ -29,7 +29,7 @@ def _published(name: str) -> dict:
 
 
 def test_every_family_config_has_its_published_config_json():
-    assert len(NAMES) == 12
+    assert len(NAMES) == 14
     assert {p.stem for p in PUBLISHED.glob("*.json")} == set(NAMES)
 
 
@@ -41,7 +41,9 @@ def test_config_is_the_published_config_json(name):
     check_matches(cfg.model, hf, f"{name}.json")
     # Reading the published file gives back exactly what the YAML says.
     architecture = architecture_from_hf(hf)
+    experts = architecture.pop("moe", {})  # a mixture of experts' architecture keys
     assert architecture == {key: getattr(cfg.model, key) for key in architecture}
+    assert experts == {key: getattr(cfg.model.moe, key) for key in experts}
 
 
 def _documented_counts() -> dict[str, int]:

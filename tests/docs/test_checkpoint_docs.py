@@ -64,7 +64,7 @@ def test_checkpointing_doc_commands_run_in_order(tmp_path):
     demo = tmp_path / "outputs" / "demo"
     # 40 steps on one device, then on to 60 on an 8-device fsdp mesh.
     assert f"resuming from {demo}/checkpoints/40 at step 40" in outputs[1]
-    assert "mesh [[1,1,8,1,1],[dp,pp,fsdp,cp,tp]] on 8 cpu device(s)" in outputs[1]
+    assert "mesh [[1,1,8,1,1,1],[dp,pp,fsdp,ep,cp,tp]] on 8 cpu device(s)" in outputs[1]
     assert committed_steps(demo / "checkpoints") == [20, 40, 60]
     steps = [json.loads(x)["step"] for x in (demo / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 10, 20, 30, 40, 41, 50, 60]

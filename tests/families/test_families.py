@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from meshtrain.config import ModelConfig
+from meshtrain.config.moe import MoeConfig
 from meshtrain.errors import ConfigError
 from meshtrain.families import REGISTERED, family, family_of_model_type
 from meshtrain.families.vocabulary import DENSE_BLOCK, PROJECTION_NAMES, block_norms
@@ -22,8 +23,8 @@ def test_an_unknown_family_is_refused_in_one_line_naming_the_registered_ones():
     with pytest.raises(ConfigError) as error:
         family("lama")
     assert str(error.value) == (
-        "model.family='lama' is not supported; use one of: llama, qwen3, gemma3 "
-        "(did you mean 'llama'?)"
+        "model.family='lama' is not supported; use one of: llama, qwen3, gemma3, qwen3_moe, "
+        "mixtral (did you mean 'llama'?)"
     )
 
 
@@ -44,7 +45,8 @@ def test_the_dense_block_costs_the_flops_of_its_matmuls():
 @pytest.mark.parametrize("name", list(REGISTERED))
 def test_each_weight_of_a_block_is_in_the_vocabulary_with_the_axes_and_widths_it_has(name):
     spec = REGISTERED[name]
-    cfg = dataclasses.replace(CFG, family=name, **spec.features)
+    experts = MoeConfig(num_experts=4, top_k=2, expert_dim=24) if spec.mixture_of_experts else None
+    cfg = dataclasses.replace(CFG, family=name, moe=experts or MoeConfig(), **spec.features)
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     block = {
         path[2:]: variable
@@ -56,7 +58,21 @@ def test_each_weight_of_a_block_is_in_the_vocabulary_with_the_axes_and_widths_it
     for projection in spec.projections:
         weight = block[projection.path]
         assert weight.get_metadata()["logical_axes"] == projection.axes
-        assert len(projection.layout.perm) == len(projection.axes)
+        layout = getattr(projection.layout, "inner", projection.layout)  # PerExpert's
+        assert len(layout.perm) == len(projection.axes) - projection.leading
         width_in, width_out = projection.widths(cfg)
-        inputs = weight.shape[: projection.inputs]
-        assert (width_in * width_out, width_in) == (weight.size, math.prod(inputs))
+        copies = weight.shape[: projection.leading]  # experts
+        inputs = weight.shape[projection.leading :][: projection.inputs]
+        assert (width_in * width_out, width_in) == (
+            weight.size // math.prod(copies),
+            math.prod(inputs),
+        )
+
+
+def test_a_mixture_of_experts_costs_its_router_and_its_active_experts():
+    cfg = dataclasses.replace(
+        CFG, family="qwen3_moe", qk_norm=True, moe=MoeConfig(num_experts=8, top_k=3, expert_dim=24)
+    )
+    per_token = sum(p.flops_per_token(cfg) for p in family("qwen3_moe").projections)
+    attention = 2 * 48 * 8 * (2 * 6 + 2 * 2)
+    assert per_token == attention + 2 * 48 * 8 + 3 * 2 * 3 * 48 * 24

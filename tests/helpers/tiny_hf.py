@@ -4,7 +4,8 @@ were computed by transformers and committed under tests/fixtures/hf/ (made by
 tests/fixtures/hf/make_fixtures.py; tests/hf/test_interop_live.py, marked slow, recomputes them
 with transformers and compares).
 
-Each is the family's real model config (configs/model/*.yaml) shrunk to hidden 64 and vocab 512;
+Each is the family's real model config (configs/model/*.yaml) shrunk to hidden 64 and vocab 512
+(the mixtures of experts to 8 experts of width 32, 3 per token, and 4 of width 128, 2 per token);
 the Gemma one has 7 layers (5 local with a 16-token window, 1 global, 1 local), so sequences of
 40 tokens cross the window; its global layers use linear RoPE scaling like Gemma 3 4B-27B, and
 its attention scale 1/sqrt(24) is not 1/sqrt(head_dim), like Gemma 3 27B's.
@@ -114,6 +115,50 @@ SPECS: dict[str, tuple[dict, tuple[str, ...]]] = {
             "model.num_layers=7",
             "model.sliding_window=16",
             "model.query_pre_attn_scalar=24",
+        ),
+    ),
+    "qwen3_moe": (
+        dict(
+            model_type="qwen3_moe",
+            num_hidden_layers=2,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            **_SHAPE,
+        ),
+        (
+            "model=qwen3_30b_a3b",
+            *_SHRINK,
+            "model.num_layers=2",
+            "model.moe.num_experts=8",
+            "model.moe.top_k=3",
+            "model.moe.expert_dim=32",
+            "model.moe.normalize_top_k=false",
+            "model.moe.aux_loss_coef=0.0",  # transformers adds it only with output_router_logits
+        ),
+    ),
+    "mixtral": (
+        dict(
+            model_type="mixtral",
+            num_hidden_layers=2,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            **_SHAPE,
+        ),
+        (
+            "model=mixtral_8x7b",
+            *_SHRINK,
+            "model.num_layers=2",
+            "model.moe.num_experts=4",
+            "model.moe.expert_dim=128",
+            "model.moe.aux_loss_coef=0.0",
         ),
     ),
 }

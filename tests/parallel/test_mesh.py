@@ -16,15 +16,22 @@ from meshtrain.parallel.mesh import (
 @pytest.mark.parametrize(
     ("mesh_shape", "expected"),
     [
-        ([[1, 1], ["fsdp", "tp"]], {"dp": 1, "pp": 1, "fsdp": 1, "cp": 1, "tp": 1}),
-        ([[8, 1], ["fsdp", "tp"]], {"dp": 1, "pp": 1, "fsdp": 8, "cp": 1, "tp": 1}),
-        ([[4, 2], ["fsdp", "tp"]], {"dp": 1, "pp": 1, "fsdp": 4, "cp": 1, "tp": 2}),
-        ([[-1, 2], ["fsdp", "tp"]], {"dp": 1, "pp": 1, "fsdp": 4, "cp": 1, "tp": 2}),
-        ([[2, -1], ["fsdp", "tp"]], {"dp": 1, "pp": 1, "fsdp": 2, "cp": 1, "tp": 4}),
-        ([[2, 4], ["tp", "fsdp"]], {"dp": 1, "pp": 1, "fsdp": 4, "cp": 1, "tp": 2}),
-        ([[8], ["fsdp"]], {"dp": 1, "pp": 1, "fsdp": 8, "cp": 1, "tp": 1}),
-        ([[2, 2, 2], ["dp", "fsdp", "tp"]], {"dp": 2, "pp": 1, "fsdp": 2, "cp": 1, "tp": 2}),
-        ([[2, 2, 2], ["pp", "fsdp", "tp"]], {"dp": 1, "pp": 2, "fsdp": 2, "cp": 1, "tp": 2}),
+        ([[1, 1], ["fsdp", "tp"]], {"dp": 1, "pp": 1, "fsdp": 1, "ep": 1, "cp": 1, "tp": 1}),
+        ([[8, 1], ["fsdp", "tp"]], {"dp": 1, "pp": 1, "fsdp": 8, "ep": 1, "cp": 1, "tp": 1}),
+        ([[4, 2], ["fsdp", "tp"]], {"dp": 1, "pp": 1, "fsdp": 4, "ep": 1, "cp": 1, "tp": 2}),
+        ([[-1, 2], ["fsdp", "tp"]], {"dp": 1, "pp": 1, "fsdp": 4, "ep": 1, "cp": 1, "tp": 2}),
+        ([[2, -1], ["fsdp", "tp"]], {"dp": 1, "pp": 1, "fsdp": 2, "ep": 1, "cp": 1, "tp": 4}),
+        ([[2, 4], ["tp", "fsdp"]], {"dp": 1, "pp": 1, "fsdp": 4, "ep": 1, "cp": 1, "tp": 2}),
+        ([[8], ["fsdp"]], {"dp": 1, "pp": 1, "fsdp": 8, "ep": 1, "cp": 1, "tp": 1}),
+        (
+            [[2, 2, 2], ["dp", "fsdp", "tp"]],
+            {"dp": 2, "pp": 1, "fsdp": 2, "ep": 1, "cp": 1, "tp": 2},
+        ),
+        (
+            [[2, 2, 2], ["pp", "fsdp", "tp"]],
+            {"dp": 1, "pp": 2, "fsdp": 2, "ep": 1, "cp": 1, "tp": 2},
+        ),
+        ([[2, 4], ["ep", "fsdp"]], {"dp": 1, "pp": 1, "fsdp": 4, "ep": 2, "cp": 1, "tp": 1}),
     ],
 )
 def test_parse_mesh_shape(mesh_shape, expected):
@@ -42,7 +49,7 @@ def test_parse_mesh_shape(mesh_shape, expected):
         ),
         (
             [[4, 2], ["data", "tp"]],
-            "model.mesh_shape [[4,2],[data,tp]]: unknown axis 'data'; known axes are dp, pp, fsdp, cp, tp, "
+            "model.mesh_shape [[4,2],[data,tp]]: unknown axis 'data'; known axes are dp, pp, fsdp, ep, cp, tp, "
             "e.g. [[8,1],[fsdp,tp]]",
         ),
         (
@@ -115,9 +122,9 @@ def test_too_small_a_mesh_on_a_cpu_needs_no_faked_devices():
 def test_build_mesh_puts_tp_innermost():
     mesh = build_mesh(parse_mesh_shape([[2, 4], ["tp", "fsdp"]], 8))
     assert mesh.axis_names == MESH_AXES
-    assert dict(mesh.shape) == {"dp": 1, "pp": 1, "fsdp": 4, "cp": 1, "tp": 2}
+    assert dict(mesh.shape) == {"dp": 1, "pp": 1, "fsdp": 4, "ep": 1, "cp": 1, "tp": 2}
     # Neighbouring device ids (the fastest links on a GPU box) share a tp group.
-    ids = [[d.id for d in row] for row in mesh.devices[0, 0, :, 0]]
+    ids = [[d.id for d in row] for row in mesh.devices[0, 0, :, 0, 0]]
     assert all(abs(row[1] - row[0]) == 1 for row in ids)
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
@@ -138,23 +145,27 @@ def _processes(processes: int, local: int) -> list[FakeDevice]:
 @pytest.mark.parametrize(
     ("sizes", "hosts", "local"),
     [
-        ((2, 1, 4, 1, 2), ["a", "b"], 8),  # [[2,4,2],[dp,fsdp,tp]] on 2 machines × 8 GPUs
-        ((1, 1, 4, 1, 2), ["a", "b"], 4),
-        ((2, 1, 2, 1, 2), ["a", "b", "c", "d"], 2),
-        ((2, 1, 4, 1, 1), ["a", "b"], 4),
-        ((2, 1, 2, 1, 2), ["a", "a", "b", "b"], 2),  # 2 processes per machine
+        ((2, 1, 4, 1, 1, 2), ["a", "b"], 8),  # [[2,4,2],[dp,fsdp,tp]] on 2 machines × 8 GPUs
+        ((1, 1, 4, 1, 1, 2), ["a", "b"], 4),
+        ((2, 1, 2, 1, 1, 2), ["a", "b", "c", "d"], 2),
+        ((2, 1, 4, 1, 1, 1), ["a", "b"], 4),
+        ((2, 1, 2, 1, 1, 2), ["a", "a", "b", "b"], 2),  # 2 processes per machine
         (
-            (1, 1, 2, 1, 4),
+            (1, 1, 2, 1, 1, 4),
             ["a", "b", "a", "b"],
             2,
         ),  # ... numbered across machines, tp over a machine
-        ((1, 1, 4, 1, 2), ["a"] * 8, 1),  # one process per GPU on one machine: tp across processes
-        ((1, 2, 2, 1, 2), ["a", "b"], 4),  # [[2,2,2],[pp,fsdp,tp]]: a pipeline stage per machine
+        (
+            (1, 1, 4, 1, 1, 2),
+            ["a"] * 8,
+            1,
+        ),  # one process per GPU on one machine: tp across processes
+        ((1, 2, 2, 1, 1, 2), ["a", "b"], 4),  # [[2,2,2],[pp,fsdp,tp]]: a pipeline stage per machine
     ],
 )
 def test_tp_stays_within_a_host_and_dp_fsdp_span_hosts(sizes, hosts, local):
     spec = MeshSpec(dict(zip(MESH_AXES, sizes, strict=True)))
-    grid = devices_by_host(spec, _processes(len(hosts), local), hosts)  # [dp, pp, fsdp, cp, tp]
+    grid = devices_by_host(spec, _processes(len(hosts), local), hosts)  # [dp, pp, fsdp, ep, cp, tp]
     assert grid.shape == sizes
     for group in grid.reshape(-1, sizes[-1]):  # every tp group lies on one host
         assert len({hosts[d.process_index] for d in group}) == 1
@@ -174,15 +185,19 @@ def test_tp_stays_within_a_host_and_dp_fsdp_span_hosts(sizes, hosts, local):
 def test_tp_across_hosts_is_refused():
     with pytest.raises(ConfigError) as err:
         devices_by_host(
-            MeshSpec({"dp": 1, "pp": 1, "fsdp": 1, "cp": 1, "tp": 8}), _processes(2, 4), ["a", "b"]
+            MeshSpec({"dp": 1, "pp": 1, "fsdp": 1, "ep": 1, "cp": 1, "tp": 8}),
+            _processes(2, 4),
+            ["a", "b"],
         )
     assert str(err.value) == (
-        "model.mesh_shape [[1,1,1,1,8],[dp,pp,fsdp,cp,tp]]: tp=8 does not divide the 4 devices of each of "
+        "model.mesh_shape [[1,1,1,1,1,8],[dp,pp,fsdp,ep,cp,tp]]: tp=8 does not divide the 4 devices of each of "
         "the 2 hosts, so tp groups would span hosts; tp stays within a host (its fast links): "
         "use tp in {1, 2, 4} and put the rest on fsdp or dp"
     )
     # On one host, the same tp over two processes is fine.
     grid = devices_by_host(
-        MeshSpec({"dp": 1, "pp": 1, "fsdp": 1, "cp": 1, "tp": 8}), _processes(2, 4), ["a", "a"]
+        MeshSpec({"dp": 1, "pp": 1, "fsdp": 1, "ep": 1, "cp": 1, "tp": 8}),
+        _processes(2, 4),
+        ["a", "a"],
     )
     assert [d.id for d in grid.ravel()] == [0, 1, 2, 3, 100, 101, 102, 103]

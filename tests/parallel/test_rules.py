@@ -31,9 +31,12 @@ def test_logical_to_spec_megatron_layout():
     assert logical_to_spec(("embed", "heads", "head_dim"), RULES) == P(fsdp_cp, "tp", None)
     assert logical_to_spec(("mlp", "embed"), RULES) == P("tp", fsdp_cp)
     assert logical_to_spec(("vocab", "embed"), RULES) == P("tp", fsdp_cp)
-    assert logical_to_spec(("batch", "length", None), RULES) == P(("dp", "fsdp"), "cp", None)
+    assert logical_to_spec(("batch", "length", None), RULES) == P(("dp", "fsdp", "ep"), "cp", None)
     assert logical_to_spec(("norm",), RULES) == P(None)
-    assert logical_to_spec((None, "batch", None), RULES) == P(None, ("dp", "fsdp"), None)
+    # A mixture of experts' experts on ep, one expert's hidden width on tp.
+    expert = ("experts", "embed", "expert_mlp")
+    assert logical_to_spec(expert, RULES) == P("ep", fsdp_cp, "tp")
+    assert logical_to_spec((None, "batch", None), RULES) == P(None, ("dp", "fsdp", "ep"), None)
 
 
 def test_a_mesh_axis_shards_one_dimension_only():

@@ -50,8 +50,9 @@ def target_projections(model: ModelConfig) -> tuple[str, ...]:
     """The projections model.lora.targets (names or patterns, or one pattern) select among the
     family's (families.vocabulary), in block order; ConfigError for an entry that selects none."""
     targets = model.lora.targets
-    projections = [p.name for p in family(model.family).projections]
-    peft_names = {p.peft_name: p.name for p in family(model.family).projections}
+    adaptable = [p for p in family(model.family).projections if p.lora_target]
+    projections = [p.name for p in adaptable]
+    peft_names = {p.peft_name: p.name for p in adaptable}
     selected: set[str] = set()
     for entry in [targets] if isinstance(targets, str) else targets:
         entry = str(entry).strip()

@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args
 from meshtrain.config.caches import AUTO_CACHE
 from meshtrain.config.evaluation import EvalConfig
 from meshtrain.config.lora import LoraConfig
+from meshtrain.config.moe import MoeConfig
 from meshtrain.config.objective import ObjectiveConfig
 from meshtrain.config.trackers import LoggingConfig
 from meshtrain.families import DEFAULT_FAMILY
@@ -70,7 +71,7 @@ def choices(literal: Any) -> tuple[str, ...]:
 # on cp (context parallelism, meshtrain.parallel.context), whose devices also shard the weights
 # as fsdp does (they would otherwise each hold them whole).
 DEFAULT_LOGICAL_AXIS_RULES: dict[str, Any] = {
-    "batch": ["dp", "fsdp"],
+    "batch": ["dp", "fsdp", "ep"],
     "length": "cp",
     "embed": ["fsdp", "cp"],
     "vocab": "tp",
@@ -81,6 +82,8 @@ DEFAULT_LOGICAL_AXIS_RULES: dict[str, Any] = {
     "norm": None,
     "layers": "pp",  # stacked blocks (model.scan_layers): each pipeline stage holds its own
     "lora_rank": None,  # the rank axis of LoRA adapters (model.lora): small, replicated
+    "experts": "ep",  # the experts of a mixture-of-experts layer (model.moe): expert parallelism
+    "expert_mlp": "tp",  # one expert's hidden width, split as the dense MLP's
 }
 
 
@@ -97,7 +100,7 @@ class ModelConfig:
     name: str = "tiny"
     """Name of the model flavour, used in logs and run directories."""
     mesh_shape: list[Any] = field(default_factory=lambda: [[1, 1], ["fsdp", "tp"]])
-    """[[sizes...], [axis names...]]: device mesh; axes are fsdp, tp, dp, pp (pipeline stages) and cp (context parallelism: each sequence split over cp devices); one size may be -1."""
+    """[[sizes...], [axis names...]]: device mesh; axes are fsdp, tp, dp, pp (pipeline stages), cp (context parallelism: each sequence split over cp devices) and ep (expert parallelism: the experts of model.moe split over ep devices, the batch too); one size may be -1."""
     logical_axis_rules: dict[str, Any] = field(
         default_factory=lambda: dict(DEFAULT_LOGICAL_AXIS_RULES)
     )
@@ -168,12 +171,16 @@ class ModelConfig:
     """Stages of a pp mesh axis (docs/parallelism.md#pipeline-parallelism)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters on a frozen base, QLoRA (docs/finetuning.md#lora-and-qlora)."""
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    """A mixture of experts in place of every block's MLP (docs/models.md#mixture-of-experts)."""
 
     def __post_init__(self) -> None:  # built from a saved config's dicts (checkpoint meta/)
         if isinstance(self.lora, dict):
             self.lora = LoraConfig(**self.lora)
         if isinstance(self.pipeline, dict):
             self.pipeline = StageLayout(**self.pipeline)
+        if isinstance(self.moe, dict):
+            self.moe = MoeConfig(**self.moe)
 
 
 @dataclass
@@ -258,7 +265,7 @@ class TrainingConfig:
     epochs: float | None = None
     """Passes over the training sequences instead of training.steps: steps = ceil(epochs × sequences / global batch), once the data is read (logged); not with data.mixture, which draws by weight. null: training.steps."""
     micro_batch_size: int = 8
-    """Sequences per batch shard (per device along dp×fsdp) per micro-batch."""
+    """Sequences per batch shard (per device along dp×fsdp×ep) per micro-batch."""
     gradient_accumulation_steps: int = 1
     """Micro-batches accumulated (a lax.scan) into one update; dp replicas reduce their sum once, after the last."""
     sync_gradients_every: int = 1

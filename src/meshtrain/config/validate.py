@@ -12,6 +12,8 @@ from meshtrain.config.context import check_context_parallel
 from meshtrain.config.epochs import check_epochs
 from meshtrain.config.evaluation import check_eval
 from meshtrain.config.lora import check_lora
+from meshtrain.config.model_mesh import check_model_on_mesh
+from meshtrain.config.moe import check_moe
 from meshtrain.config.objective import check_objective
 from meshtrain.config.pipeline import check_pipeline
 from meshtrain.config.resume import check_allow_changes
@@ -27,7 +29,6 @@ from meshtrain.config.schema import (
     LayerKind,
     LrSchedule,
     MixedPrecision,
-    ModelConfig,
     NonfiniteMode,
     Overlong,
     PipelineSchedule,
@@ -40,7 +41,7 @@ from meshtrain.config.schema import (
 )
 from meshtrain.config.trackers import check_logging
 from meshtrain.errors import ConfigError, require
-from meshtrain.families import family
+from meshtrain.families import REGISTERED, family
 from meshtrain.hardware.accelerators import accelerator_named
 from meshtrain.hardware.gpu_specs import gpu_spec
 from meshtrain.parallel.mesh import MeshSpec
@@ -133,6 +134,7 @@ def _check_data(data: DataConfig) -> None:
 def check_config(cfg: Config) -> None:
     model, data, training = cfg.model, cfg.data, cfg.training
     check_lora(model)
+    check_moe(model.moe)
     check_eval(cfg.eval)
     check_objective(
         cfg.objective, data_source=cfg.data.source, document_masking=cfg.data.document_masking
@@ -260,7 +262,22 @@ def check_config(cfg: Config) -> None:
 def _check_model_flavour(cfg: Config) -> None:
     """The fields that select a model family's features (configs/model/*.yaml)."""
     model = cfg.model
-    family(model.family)
+    spec = family(model.family)
+    if spec.mixture_of_experts != (model.moe.num_experts > 0):
+        which = [
+            f.name for f in REGISTERED.values() if f.mixture_of_experts != spec.mixture_of_experts
+        ]
+        require(
+            False,
+            f"model.moe.num_experts={model.moe.num_experts} but model.family={model.family} has "
+            + (
+                "a mixture of experts; set model.moe.num_experts (e.g. 8)"
+                if spec.mixture_of_experts
+                else "a dense MLP; set model.moe.num_experts=0"
+            )
+            + f" or use a family with{'out' if spec.mixture_of_experts else ''} experts: "
+            + ", ".join(which),
+        )
     pattern = "[" + ",".join(model.attention_pattern) + "]"
     require(
         bool(model.attention_pattern)
@@ -322,10 +339,6 @@ def _check_checkpoint(ckpt: CheckpointConfig) -> None:
     check_allow_changes(ckpt.allow_changes)
 
 
-def _divisors_of_all(values: list[int]) -> list[int]:
-    return [d for d in range(1, min(values) + 1) if all(v % d == 0 for v in values)]
-
-
 def check_against_mesh(cfg: Config, mesh: MeshSpec) -> None:
     """Model dimensions and batch sizes divide over the mesh axes that shard them."""
     check_model_on_mesh(cfg.model, mesh)
@@ -344,6 +357,12 @@ def check_against_mesh(cfg: Config, mesh: MeshSpec) -> None:
             )
     check_context_parallel(cfg, mesh)
     if mesh.sizes["pp"] > 1:
+        require(
+            cfg.model.moe.num_experts == 0,
+            f"model.mesh_shape has pp={mesh.sizes['pp']}, but the pipeline schedules do not "
+            "carry a mixture of experts' auxiliary losses yet; put those devices on ep, fsdp or "
+            "dp",
+        )
         check_pipeline(cfg, mesh, micro_batch_size(cfg, mesh))
     else:
         require(
@@ -352,41 +371,6 @@ def check_against_mesh(cfg: Config, mesh: MeshSpec) -> None:
             "layers into pipeline stages, but model.mesh_shape has no pp axis; add one (e.g. "
             "[[2,-1],[pp,fsdp]]) or drop model.pipeline.layers_per_stage",
         )
-
-
-def check_model_on_mesh(model: ModelConfig, mesh: MeshSpec) -> None:
-    """The model's heads, MLP and vocabulary divide over the mesh axes that shard them (key/value
-    heads that tp cannot split are replicated instead); else one line naming the model, its head
-    counts and the sizes that would work."""
-    rules = model.logical_axis_rules
-    tp_dims = {
-        "num_heads": (model.num_heads, "heads"),
-        "num_kv_heads": (model.num_kv_heads, "kv_heads"),
-        "mlp_dim": (model.mlp_dim, "mlp"),
-        "vocab_size": (model.vocab_size, "vocab"),
-    }
-    if mesh_axes_for("kv_heads", rules) == mesh_axes_for("heads", rules):
-        # More tp ranks than key/value heads: they are replicated (models.abstract.fit_kv_heads).
-        del tp_dims["num_kv_heads"]
-    for key, (dim, logical) in tp_dims.items():
-        axes = mesh_axes_for(logical, rules)
-        shards = mesh.size(*axes)
-        if dim % shards:
-            names = "×".join(axes)
-            split = {k: d for k, (d, lg) in tp_dims.items() if mesh_axes_for(lg, rules) == axes}
-            options = ", ".join(str(d) for d in _divisors_of_all(list(split.values())))
-            heads = (
-                f"; model {model.name} has {model.num_heads} query heads and "
-                f"{model.num_kv_heads} key/value head(s)"
-                if key == "num_heads"
-                else ""
-            )
-            raise ConfigError(
-                f"{names}={shards} in model.mesh_shape does not divide model.{key}={dim}{heads}; "
-                f"use {names} in {{{options}}} (divisors of "
-                + ", ".join(f"model.{k}={d}" for k, d in split.items())
-                + ")"
-            )
 
 
 def micro_batch_size(cfg: Config, mesh: MeshSpec) -> int:

@@ -1,4 +1,5 @@
-"""Model families, each declared in one module (families.base.Family): llama, qwen3, gemma3.
+"""Model families, each declared in one module (families.base.Family): llama, qwen3, gemma3,
+qwen3_moe, mixtral.
 
 Adding a family is its module here, one entry in `_MODULES`, its configs/model/*.yaml, its test
 fixtures and its docs (docs/architecture.md#adding-a-family); nothing else names a family.
@@ -11,7 +12,7 @@ import importlib
 from meshtrain.errors import ConfigError, did_you_mean
 from meshtrain.families.base import Family
 
-_MODULES = ("llama", "qwen3", "gemma3")
+_MODULES = ("llama", "qwen3", "gemma3", "qwen3_moe", "mixtral")
 
 REGISTERED: dict[str, Family] = {
     family.name: family

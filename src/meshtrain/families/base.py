@@ -16,9 +16,16 @@ from meshtrain.families.vocabulary import DENSE_BLOCK, ModelConfig, Projection
 
 ExportFields = Callable[[ModelConfig, list[str]], dict[str, Any]]
 """(model, the kind of each layer: global or local) → this family's own config.json keys."""
+ReadFields = Callable[[dict[str, Any], str], dict[str, Any]]
+"""(config.json's language model keys with the family's defaults, its source for errors) →
+ModelConfig fields of this family's own (a mixture of experts': "moe")."""
 
 
 def no_fields(model: ModelConfig, kinds: list[str]) -> dict[str, Any]:
+    return {}
+
+
+def read_nothing(text: dict[str, Any], source: str) -> dict[str, Any]:
     return {}
 
 
@@ -50,6 +57,13 @@ class Family:
     """Its config.json sets the attention scale (query_pre_attn_scalar)."""
     export_fields: ExportFields = field(default=no_fields)
     """Its own config.json keys on export (beside the ones every family writes)."""
+    read_fields: ReadFields = field(default=read_nothing)
+    """Its own ModelConfig fields from config.json (beside the ones every family reads)."""
+
+    @property
+    def mixture_of_experts(self) -> bool:
+        """Its feed-forward is a mixture of experts (models.moe), its weights one per expert."""
+        return any(p.leading for p in self.projections)
 
     @property
     def projection(self) -> dict[str, Projection]:

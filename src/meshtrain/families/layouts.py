@@ -79,3 +79,21 @@ COPY = {1: Layout((0,), ((0,),)), 2: Layout((0, 1), ((0,), (1,)))}
 TRANSPOSE = Layout((1, 0), ((0,), (1,)))  # [out, in] → [in, out]
 HEADS_IN = Layout((2, 0, 1), ((0, 1), (2,)))  # q/k/v_proj [N*H, D] → [D, N, H]
 HEADS_OUT = Layout((1, 2, 0), ((0,), (1, 2)))  # o_proj [D, N*H] → [N, H, D]
+
+
+@dataclass(frozen=True)
+class PerExpert:
+    """Our parameter [E, *rest] held by Hugging Face as E tensors, one per expert, named by the
+    tensor map's name with `{expert}` replaced by the expert's index, each laid out as `inner`
+    against our [*rest] (Qwen3-MoE's and Mixtral's checkpoints, as transformers writes them)."""
+
+    inner: Layout
+
+    def hf_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """One expert's HF tensor's shape for our parameter shape [E, *rest]."""
+        return self.inner.hf_shape(shape[1:])
+
+
+def expert_names(name: str, num_experts: int) -> list[str]:
+    """The HF tensors of a PerExpert parameter: `name` with {expert} = 0 … E-1."""
+    return [name.format(expert=e) for e in range(num_experts)]

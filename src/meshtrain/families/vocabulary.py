@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from meshtrain.families.layouts import HEADS_IN, HEADS_OUT, TRANSPOSE, Layout
+from meshtrain.families.layouts import HEADS_IN, HEADS_OUT, TRANSPOSE, Layout, PerExpert
 
 ModelConfig = Any
 """meshtrain.config.schema.ModelConfig (read by attribute; the config package imports this one)."""
@@ -37,14 +37,20 @@ class Projection:
     """Logical axes of the weight, [*in, *out]."""
     inputs: int
     """How many leading axes are contracted with the hidden state (o: heads and head_dim)."""
-    layout: Layout
-    """HF's weight → ours."""
+    layout: Layout | PerExpert
+    """HF's weight → ours (PerExpert: one HF tensor per expert)."""
     adapter_layouts: tuple[Layout, Layout]
     """PEFT's lora_A and lora_B → our A [*in, r] and B [r, *out]."""
     widths: Widths
     """(in, out) widths of the matmul, per token."""
     block_axis: int = 0
     """QLoRA's quantisation blocks run along this axis (the input axis; o: head_dim)."""
+    leading: int = 0
+    """Leading axes that are neither input nor output (an expert's index): kept on its adapters."""
+    active: Callable[[ModelConfig], int] = lambda cfg: 1
+    """How many copies of it a token runs through (an expert: top_k)."""
+    lora_target: bool = True
+    """An adapter can sit beside it (model.lora.targets), and QLoRA quantises it."""
 
     @property
     def peft_name(self) -> str:
@@ -56,9 +62,9 @@ class Projection:
         return (self.module, self.name)
 
     def flops_per_token(self, cfg: ModelConfig) -> int:
-        """Forward FLOPs of the matmul per token: 2 · in · out."""
+        """Forward FLOPs of the matmul per token: 2 · in · out, times the copies it runs."""
         width_in, width_out = self.widths(cfg)
-        return 2 * width_in * width_out
+        return 2 * width_in * width_out * self.active(cfg)
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,47 @@ GATED_MLP = tuple(
     )
 )
 """The gated MLP's projections (models.layers.GatedMLP)."""
+
+
+def mixture_of_experts(module: str, router: str, experts: str, names: dict[str, str]) -> tuple:
+    """A mixture of experts' router and experts' gate, up and down (models.moe.MoeFeedForward) as
+    a family's checkpoint names them: `module` under `layers.{i}.`, its router `router`, the
+    experts under `experts.{expert}.`, each projection's own name in `names` (gate, up, down →
+    HF name)."""
+    return (
+        Projection(
+            "router",
+            "mlp",
+            f"{module}.{router}",
+            ("embed", "experts"),
+            1,
+            TRANSPOSE,
+            (TRANSPOSE, TRANSPOSE),
+            lambda cfg: (cfg.d_model, cfg.moe.num_experts),
+            lora_target=False,
+        ),
+        *(
+            Projection(
+                name,
+                "mlp",
+                f"{module}.{experts}.{{expert}}.{names[name]}",
+                ("experts", *axes),
+                1,
+                PerExpert(TRANSPOSE),
+                (TRANSPOSE, TRANSPOSE),
+                widths,
+                block_axis=1,
+                leading=1,
+                active=lambda cfg: cfg.moe.top_k,
+            )
+            for name, axes, widths in (
+                ("gate", ("embed", "expert_mlp"), lambda cfg: (cfg.d_model, cfg.moe.expert_dim)),
+                ("up", ("embed", "expert_mlp"), lambda cfg: (cfg.d_model, cfg.moe.expert_dim)),
+                ("down", ("expert_mlp", "embed"), lambda cfg: (cfg.moe.expert_dim, cfg.d_model)),
+            )
+        ),
+    )
+
 
 PROJECTION_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 """Every projection name, in the order of a block; an adapter's dropout key is salted with its

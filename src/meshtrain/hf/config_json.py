@@ -50,6 +50,10 @@ HF_NAMES = {
     "norm_scale_offset": "model_type",
     "scale_embeddings": "model_type",
     "query_pre_attn_scalar": "query_pre_attn_scalar",
+    "moe.num_experts": "num_experts (Mixtral: num_local_experts)",
+    "moe.top_k": "num_experts_per_tok",
+    "moe.expert_dim": "moe_intermediate_size (Mixtral: intermediate_size)",
+    "moe.normalize_top_k": "norm_topk_prob",
 }
 
 
@@ -172,6 +176,7 @@ def architecture_from_hf(hf: dict[str, Any], source: str = "config.json") -> dic
             float(text["query_pre_attn_scalar"]) if family.attention_scale else None
         ),
         **family.features,
+        **family.read_fields(text, source),
     }
     if len(kinds) != num_layers:
         raise ConfigError(f"{source}: layer_types has {len(kinds)} entries for {num_layers} layers")
@@ -181,7 +186,7 @@ def architecture_from_hf(hf: dict[str, Any], source: str = "config.json") -> dic
 def _comparable(model: ModelConfig) -> dict[str, Any]:
     """The architecture of `model` with the values that do not change the computation normalised
     (an unused window or scaling factor, rope_local_theta null meaning rope_theta...)."""
-    values = {key: getattr(model, key) for key in HF_NAMES}
+    values = {key: _field(model, key) for key in HF_NAMES}
     kinds = [
         model.attention_pattern[i % len(model.attention_pattern)] for i in range(model.num_layers)
     ]
@@ -203,7 +208,8 @@ def _comparable(model: ModelConfig) -> dict[str, Any]:
 
 def check_matches(model: ModelConfig, hf: dict[str, Any], source: str) -> None:
     """One ConfigError naming the first field where the chosen `model=` differs from config.json."""
-    expected = _comparable(dataclasses.replace(model, **architecture_from_hf(hf, source)))
+    from_hf = dataclasses.replace(model, **architecture_from_hf(hf, source))
+    expected = _comparable(from_hf)
     actual = _comparable(model)
     for key, want in expected.items():
         have = actual[key]
@@ -213,13 +219,21 @@ def check_matches(model: ModelConfig, hf: dict[str, Any], source: str) -> None:
             else have == want
         )
         if not same:
-            shown_have = _shown(key, getattr(model, key))
-            shown_want = _shown(key, architecture_from_hf(hf, source)[key])
+            shown_have = _shown(key, _field(model, key))
+            shown_want = _shown(key, _field(from_hf, key))
             raise ConfigError(
                 f"model.{key}={shown_have} does not match {HF_NAMES[key]} in {source} "
                 f"(model.{key}={shown_want}); choose the model config of this checkpoint or set "
                 f"model.{key}={shown_want}"
             )
+
+
+def _field(model: ModelConfig, key: str) -> Any:
+    """model's field `key`, a nested one dotted (moe.top_k)."""
+    value: Any = model
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _shown(key: str, value: Any) -> str:

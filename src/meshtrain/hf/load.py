@@ -21,10 +21,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshtrain.config import ModelConfig
 from meshtrain.errors import ConfigError
 from meshtrain.families import REGISTERED
-from meshtrain.families.layouts import Layout
+from meshtrain.families.layouts import Layout, PerExpert, expert_names
 from meshtrain.hf.config_json import check_matches, read_config_json
 from meshtrain.hf.safetensors_io import CheckpointReader
-from meshtrain.hf.tensor_map import MODEL_PREFIXES, ParamPath, hf_tensors
+from meshtrain.hf.tensor_map import MODEL_PREFIXES, ParamPath, hf_entries, hf_tensors
 from meshtrain.models.transformer import Transformer
 
 HF_SCHEME = "hf:"
@@ -82,13 +82,12 @@ def check_init_from(cfg: ModelConfig) -> None:
     reader = CheckpointReader(directory)
     names = reader.names()
     shapes = unstacked_shapes(cfg)
-    for path, (name, layout) in resolve_tensors(cfg, reader).items():
+    for name, path, _, _, expected in hf_entries(resolve_tensors(cfg, reader), shapes.__getitem__):
         if name not in names:
             raise ConfigError(
                 f"model.init_from={cfg.init_from!r}: the checkpoint has no tensor {name}, needed "
                 f"for {'.'.join(map(str, path))}; is it complete?"
             )
-        expected = layout.hf_shape(shapes[path])
         if reader.shape(name) != expected:
             raise ConfigError(
                 f"model.init_from={cfg.init_from!r}: tensor {name} has shape "
@@ -105,14 +104,20 @@ def checkpoint_summary(directory: Path, cfg: ModelConfig) -> str:
 def _read_sharded(
     reader: CheckpointReader,
     name: str,
-    layout: Layout,
+    layout: Layout | PerExpert,
     shape: tuple[int, ...],
     sharding: NamedSharding,
     dtype: jnp.dtype,
 ) -> jax.Array:
-    def read_block(index: tuple[slice, ...]) -> np.ndarray:
+    def read(name: str, layout: Layout, shape: tuple[int, ...], index: tuple[slice, ...]):
         block = reader.read(name, layout.hf_slices(shape, index))
         return layout.to_ours(block, shape, index).astype(dtype)
+
+    def read_block(index: tuple[slice, ...]) -> np.ndarray:
+        if not isinstance(layout, PerExpert):
+            return read(name, layout, shape, index)
+        experts = expert_names(name, shape[0])[index[0]]  # one HF tensor per expert
+        return np.stack([read(e, layout.inner, shape[1:], index[1:]) for e in experts])
 
     return jax.make_array_from_callback(shape, sharding, read_block)
 

@@ -56,6 +56,13 @@ def peft_tensors(cfg: ModelConfig) -> dict[ParamPath, tuple[str, Layout]]:
     the family's vocabulary names each projection and lays out its adapter."""
     projection = family(cfg.family).projection
     tensors = {}
+    experts = [name for name in target_projections(cfg) if projection[name].leading]
+    if experts:
+        raise ConfigError(
+            f"model.lora.targets {','.join(experts)} puts adapters on every expert, which "
+            "meshtrain cannot write or read as a PEFT adapter; export with --merge (the base with "
+            "the adapters folded in), or target the attention only (model.lora.targets=[q,k,v,o])"
+        )
     for i in range(cfg.num_layers):
         for name in target_projections(cfg):
             target = projection[name]

@@ -23,7 +23,7 @@ from meshtrain.data.tokenizer import Tokenizer, build_tokenizer, save_tokenizer
 from meshtrain.errors import ConfigError, DataError
 from meshtrain.hf.config_json import hf_config_from_model
 from meshtrain.hf.safetensors_io import DTYPES, INDEX_FILE, write_safetensors
-from meshtrain.hf.tensor_map import ParamPath, hf_tensors
+from meshtrain.hf.tensor_map import ParamPath, hf_entries, hf_tensors
 
 DEFAULT_SHARD_BYTES = 4 * 2**30
 
@@ -102,11 +102,12 @@ def export_hf(
         special = {f"{role}_token_id": i for role, i in roles.items() if i >= 0}
     config = hf_config_from_model(model_cfg, dtype=dtype, special_tokens=special)
 
-    tensors = list(hf_tensors(model_cfg).items())
-    shapes = []
-    for path, (_, layout) in tensors:
+    def unstacked(path: ParamPath) -> tuple[int, ...]:
         array, layer = locate(params, path, model_cfg.scan_layers)
-        shapes.append(layout.hf_shape(array.shape if layer is None else array.shape[1:]))
+        return array.shape if layer is None else array.shape[1:]
+
+    entries = hf_entries(hf_tensors(model_cfg), unstacked)  # one per HF tensor
+    shapes = [hf_shape for *_, hf_shape in entries]
     itemsize = DTYPES[dtype][1].itemsize
     sizes = [int(np.prod(s, dtype=np.int64)) * itemsize for s in shapes]
     files = _files(sizes, max_shard_bytes)
@@ -122,24 +123,23 @@ def export_hf(
         partial.mkdir(parents=True)
 
     def produce(name: str) -> np.ndarray:
-        path, (_, layout) = tensors[index_of[name]]
+        _, path, expert, layout, _ = entries[index_of[name]]
         array, layer = locate(params, path, model_cfg.scan_layers)
-        return layout.to_hf(gather(array if layer is None else array[layer]))
+        array = array if layer is None else array[layer]
+        return layout.to_hf(gather(array if expert is None else array[expert]))
 
-    index_of = {name: i for i, (_, (name, _)) in enumerate(tensors)}
+    index_of = {entry[0]: i for i, entry in enumerate(entries)}
     for file, members in zip(names, files, strict=True):
-        entries = [(tensors[i][1][0], shapes[i]) for i in members]
+        written = [(entries[i][0], shapes[i]) for i in members]
         if is_main:
-            write_safetensors(partial / file, entries, dtype, produce)
+            write_safetensors(partial / file, written, dtype, produce)
         else:  # take part in the gathers of a multi-process export
-            for name, _ in entries:
+            for name, _ in written:
                 produce(name)
     if not is_main:
         return out
     if len(files) > 1:
-        weight_map = {
-            tensors[i][1][0]: file for file, m in zip(names, files, strict=True) for i in m
-        }
+        weight_map = {entries[i][0]: file for file, m in zip(names, files, strict=True) for i in m}
         index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
         (partial / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -18,8 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshtrain.config.lora import lora_enabled
+from meshtrain.config.model_mesh import check_model_on_mesh
 from meshtrain.config.schema import ModelConfig
-from meshtrain.config.validate import check_model_on_mesh
 from meshtrain.models.attention_choice import check_attention
 from meshtrain.models.frozen import check_quant_blocks, frozen_layout
 from meshtrain.models.lora import join_adapters, split_adapters

@@ -1,5 +1,6 @@
-"""One transformer block in Flax NNX (attention and MLP, each a pre-norm residual branch,
-optionally sandwich-normed), and the stacking of blocks for a scan over layers."""
+"""One transformer block in Flax NNX (attention and a feed-forward, each a pre-norm residual
+branch, optionally sandwich-normed; the feed-forward a gated MLP or a mixture of experts), and the
+stacking of blocks for a scan over layers."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from meshtrain.config.schema import ModelConfig
 from meshtrain.models.attention import AttentionKernel, WindowOfKind
 from meshtrain.models.layers import Attention, GatedMLP, RMSNorm
 from meshtrain.models.lora import AdapterDropout, LoraSpec
+from meshtrain.models.moe import MoeFeedForward
+from meshtrain.models.routing import MoeStats
 from meshtrain.parallel.rules import constrain
 
 
@@ -38,15 +41,32 @@ class Block(nnx.Module):
             lora=lora,
         )
         self.mlp_norm = RMSNorm(cfg.d_model, **norm)
-        self.mlp = GatedMLP(
-            d_model=cfg.d_model,
-            mlp_dim=cfg.mlp_dim,
-            activation=cfg.mlp_activation,
-            init_std=cfg.init_std,
-            rules=rules,
-            rngs=rngs,
-            lora=lora,
-        )
+        if cfg.moe.num_experts > 0:
+            moe = cfg.moe
+            self.mlp = MoeFeedForward(
+                d_model=cfg.d_model,
+                expert_dim=moe.expert_dim,
+                num_experts=moe.num_experts,
+                top_k=moe.top_k,
+                score=moe.score,
+                normalize_top_k=moe.normalize_top_k,
+                capacity_factor=moe.capacity_factor,
+                activation=cfg.mlp_activation,
+                init_std=cfg.init_std,
+                rules=rules,
+                rngs=rngs,
+                lora=lora,
+            )
+        else:
+            self.mlp = GatedMLP(
+                d_model=cfg.d_model,
+                mlp_dim=cfg.mlp_dim,
+                activation=cfg.mlp_activation,
+                init_std=cfg.init_std,
+                rules=rules,
+                rngs=rngs,
+                lora=lora,
+            )
         if cfg.post_norms:
             self.attn_post_norm = RMSNorm(cfg.d_model, **norm)
             self.mlp_post_norm = RMSNorm(cfg.d_model, **norm)
@@ -64,9 +84,10 @@ class Block(nnx.Module):
         window: int | WindowOfKind | None = None,
         segment_ids: jax.Array | None = None,
         dropout: AdapterDropout | None = None,
-    ) -> jax.Array:
-        """x: [B, T, D] → [B, T, D]; sin, cos and window of this layer's kind, the adapters'
-        dropout (see Attention)."""
+    ) -> tuple[jax.Array, MoeStats | None]:
+        """x: [B, T, D] → ([B, T, D], the mixture of experts' routing statistics or None for a
+        gated MLP); sin, cos and window of this layer's kind, the adapters' dropout (see
+        Attention)."""
         attn = self.attn(
             self.attn_norm(x),
             sin,
@@ -80,16 +101,21 @@ class Block(nnx.Module):
 
     def after_attention(
         self, x: jax.Array, attn: jax.Array, dropout: AdapterDropout | None = None
-    ) -> jax.Array:
+    ) -> tuple[jax.Array, MoeStats | None]:
         """The rest of the block, given its input x and the attention's output, both [B, T, D]:
-        the residual adds and the MLP (the decode path computes the attention its own way)."""
+        the residual adds and the feed-forward (the decode path computes the attention its own
+        way); with its routing statistics (None for a gated MLP)."""
         if self.attn_post_norm is not None:
             attn = self.attn_post_norm(attn)
         x = constrain(x + attn, ("batch", "length", None), self.rules)
-        mlp = self.mlp(self.mlp_norm(x), dropout)
+        stats = None
+        if isinstance(self.mlp, MoeFeedForward):
+            mlp, stats = self.mlp(self.mlp_norm(x), dropout)
+        else:
+            mlp = self.mlp(self.mlp_norm(x), dropout)
         if self.mlp_post_norm is not None:
             mlp = self.mlp_post_norm(mlp)
-        return constrain(x + mlp, ("batch", "length", None), self.rules)
+        return constrain(x + mlp, ("batch", "length", None), self.rules), stats
 
 
 def stack_blocks(blocks: list[Block]) -> Block:

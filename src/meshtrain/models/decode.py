@@ -217,7 +217,8 @@ def _cached_block(
         if key_pad is not None:
             mask = mask & (key_slots >= key_pad[:, None])[:, None, None, :]  # [B, 1, T, S]
         out = _cached_attention(attn, q, layer_keys, layer_values, mask)
-    return block.after_attention(x, attn.output(out)), keys, values
+    x, _ = block.after_attention(x, attn.output(out))  # routing statistics: not for decoding
+    return x, keys, values
 
 
 def _cached_attention(

@@ -41,7 +41,9 @@ def _quantized_axis(path: tuple, leaf: Any, cfg: ModelConfig) -> int | None:
     projection declares (families.vocabulary; the input axis, the head axis H for o) in the
     block's own weight, after a leading layers axis under scan_layers."""
     projection = family(cfg.family).projection.get(path[-1] if path else None)
-    if cfg.lora.base_dtype not in QUANTIZED or projection is None or "blocks" not in path:
+    if cfg.lora.base_dtype not in QUANTIZED or "blocks" not in path:
+        return None
+    if projection is None or not projection.lora_target:  # a norm, a router
         return None
     stacked = len(leaf.shape) - len(projection.axes)
     return projection.block_axis + stacked

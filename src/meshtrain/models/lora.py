@@ -90,22 +90,34 @@ def row_keys(step_key: jax.Array, rows: jax.Array) -> jax.Array:
 
 
 def add_adapter(
-    module: nnx.Module, name: str, rngs: Any, spec: LoraSpec | None, *, inputs: int = 1
+    module: nnx.Module,
+    name: str,
+    rngs: Any,
+    spec: LoraSpec | None,
+    *,
+    inputs: int = 1,
+    leading: int = 0,
 ) -> None:
-    """Gives `module` the adapter of its projection weight `name` (its first `inputs` axes
-    contracted: [*in, *out]) when `spec` targets it: `<name>_lora_a` [*in, r] with the weight's
-    input axes and `<name>_lora_b` [r, *out] with its output axes."""
+    """Gives `module` the adapter of its projection weight `name` when `spec` targets it. The
+    weight is [*lead, *in, *out]: its first `leading` axes index independent matrices (a
+    mixture's experts E) and the next `inputs` axes are contracted. The adapter is
+    `<name>_lora_a` [*lead, *in, r] with the weight's leading and input axes and
+    `<name>_lora_b` [*lead, r, *out] with its leading and output axes: one A and B per matrix.
+    A is uniform in ±1/sqrt(in) (in: the product of the input axes), B zero."""
     if spec is None or name not in spec.targets:
         return
     weight = getattr(module, name)
     axes = weight.get_metadata()["logical_axes"]
-    in_shape, out_shape = weight.shape[:inputs], weight.shape[inputs:]
+    split = leading + inputs
+    lead_shape, in_shape = weight.shape[:leading], weight.shape[leading:split]
+    out_shape = weight.shape[split:]
     bound = 1.0 / math.sqrt(math.prod(in_shape))
     a = jax.random.uniform(
-        rngs.lora(), (*in_shape, spec.rank), jnp.float32, minval=-bound, maxval=bound
+        rngs.lora(), (*lead_shape, *in_shape, spec.rank), jnp.float32, minval=-bound, maxval=bound
     )
-    b = jnp.zeros((spec.rank, *out_shape), jnp.float32)
-    a_axes, b_axes = (*axes[:inputs], "lora_rank"), ("lora_rank", *axes[inputs:])
+    b = jnp.zeros((*lead_shape, spec.rank, *out_shape), jnp.float32)
+    a_axes = (*axes[:split], "lora_rank")
+    b_axes = (*axes[:leading], "lora_rank", *axes[split:])
     setattr(module, f"{name}_lora_a", nnx.LoRAParam(a, logical_axes=a_axes))
     setattr(module, f"{name}_lora_b", nnx.LoRAParam(b, logical_axes=b_axes))
 
@@ -163,11 +175,18 @@ adapter_output.defvjp(_adapter_fwd, _adapter_bwd)
 
 
 def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
-    """W + alpha/r · A·B in W's layout [..., *in, *out] (a leading layers axis allowed), fp32."""
-    layers = w.ndim - (a.ndim - 1) - (b.ndim - 1)
-    lead = "L" if layers else ""
-    in_letters = "ijkl"[: a.ndim - 1 - layers]
-    out_letters = "mnop"[: b.ndim - 1 - layers]
+    """W + alpha/r · A·B, fp32, in W's layout [*lead, *in, *out]: a [*lead, *in, r], b
+    [*lead, r, *out]. The leading axes (a stacked layers axis L, a mixture's experts E, or both:
+    [L, E, ...]) are on all three and batch the product, so each matrix W_l,e gets its own
+    A_l,e·B_l,e; their number is a.ndim + b.ndim - 2 - w.ndim."""
+    leading = a.ndim + b.ndim - 2 - w.ndim
+    if not 0 <= leading <= min(a.ndim, b.ndim) - 2:
+        raise ValueError(
+            f"an adapter a {a.shape}, b {b.shape} does not fit a weight of shape {w.shape}"
+        )
+    lead = "ABCD"[:leading]
+    in_letters = "ijkl"[: a.ndim - 1 - leading]
+    out_letters = "mnop"[: b.ndim - 1 - leading]
     delta = jnp.einsum(
         f"{lead}{in_letters}r,{lead}r{out_letters}->{lead}{in_letters}{out_letters}",
         a.astype(jnp.float32),

@@ -24,6 +24,7 @@ from meshtrain.models.attention_choice import select_attention
 from meshtrain.models.block import Block, stack_blocks
 from meshtrain.models.layers import RMSNorm, RopeSpec, normal_param, rope_angles
 from meshtrain.models.lora import AdapterDropout
+from meshtrain.models.routing import MoeStats
 from meshtrain.parallel.context import context_layout, sequence_shards, split_sequences
 from meshtrain.parallel.rules import constrain
 
@@ -182,6 +183,20 @@ class Transformer(nnx.Module):
         *,
         in_layout: bool = False,
     ) -> jax.Array:
+        """hidden_and_stats without the routing statistics."""
+        return self.hidden_and_stats(tokens, positions, segment_ids, dropout, in_layout=in_layout)[
+            0
+        ]
+
+    def hidden_and_stats(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        dropout: AdapterDropout | None = None,
+        *,
+        in_layout: bool = False,
+    ) -> tuple[jax.Array, MoeStats | None]:
         """The final-normed residual stream [B, T, D] that the output projection turns into
         logits (the loss fuses that projection with the cross-entropy: meshtrain.train.step).
         dropout: of the LoRA adapters' inputs, in training.
@@ -189,7 +204,9 @@ class Transformer(nnx.Module):
         Under a mesh that splits sequences over cp, the blocks run on them in the context
         layout (meshtrain.parallel.context): the inputs are put in it, and the result back in
         sequence order; with `in_layout`, the inputs (positions included) already are in it
-        and the result stays in it (the train step's loss does not need the order)."""
+        and the result stays in it (the train step's loss does not need the order). The routing
+        statistics of a mixture of experts' layers, stacked on a leading layers axis [L, ...]
+        (None without experts), give its auxiliary losses (models.moe.auxiliary_losses)."""
         layout = context_layout(tokens.shape[1], self.rules)
         if positions is None:
             positions = default_positions(tokens)
@@ -202,11 +219,11 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(tokens)
         kernel, _ = self.attention_kernel(x.dtype)
         per_kind = self.rope_per_kind(positions)
-        x = self._run_blocks(x, per_kind, self.kind_index, kernel, segment_ids, dropout)
+        x, stats = self._run_blocks(x, per_kind, self.kind_index, kernel, segment_ids, dropout)
         x = self.final_norm(x)
         if layout is None or in_layout:
-            return x
-        return constrain(layout.to_sequence(x), ("batch", "length", None), self.rules)
+            return x, stats
+        return constrain(layout.to_sequence(x), ("batch", "length", None), self.rules), stats
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """tokens int32 [B, T] → the residual stream's input [B, T, D], in the compute dtype
@@ -255,7 +272,9 @@ class Transformer(nnx.Module):
         kernel: AttentionKernel,
         segment_ids: jax.Array | None,
         dropout: AdapterDropout | None = None,
-    ) -> jax.Array:
+    ) -> tuple[jax.Array, MoeStats | None]:
+        """x [B, T, D] through every block → (x, the blocks' routing statistics stacked [L, ...],
+        or None)."""
         policy = REMAT_POLICIES[self.remat]
 
         def layer_dropout(layer: int) -> AdapterDropout | None:
@@ -278,10 +297,12 @@ class Transformer(nnx.Module):
                 return run if self.remat == "none" else nnx.remat(run, policy=policy)
 
             apply = [wrapper(window) for _, _, window in per_kind]
+            per_layer = []
             for layer, (block, kind) in enumerate(zip(self.blocks, kind_index, strict=True)):
                 sin, cos, _ = per_kind[kind]
-                x = apply[kind](block, x, sin, cos, segment_ids, layer_dropout(layer))
-            return x
+                x, stats = apply[kind](block, x, sin, cos, segment_ids, layer_dropout(layer))
+                per_layer.append(stats)
+            return x, jax.tree.map(lambda *layers: jnp.stack(layers), *per_layer)
 
         graphdef, stacked = nnx.split(self.blocks)
         kinds = jnp.asarray(kind_index, jnp.int32)
@@ -300,10 +321,11 @@ class Transformer(nnx.Module):
         segment_ids: jax.Array | None,
         active: jax.Array | None = None,
         dropout: AdapterDropout | None = None,
-    ) -> jax.Array:
+    ) -> tuple[jax.Array, MoeStats | None]:
         """Runs stacked blocks in a lax.scan: `stacked` is the state of scan_layers' `blocks`
         (or a pipeline stage's layers), kinds int32 [layers] the index in per_kind of each
-        layer's kind; x [B, T, D] → [B, T, D]. active bool [layers]: a layer where false passes
+        layer's kind; x [B, T, D] → ([B, T, D], the layers' routing statistics [layers, ...] or
+        None). active bool [layers]: a layer where false passes
         x through (a pipeline stage's slot beyond its layers); None: all run. dropout: the
         adapters', each layer's folded with its index in the stack."""
         policy = REMAT_POLICIES[self.remat]
@@ -317,7 +339,7 @@ class Transformer(nnx.Module):
                 return per_kind[0]
             return sins[kind], coses[kind], WindowOfKind(kind, windows)
 
-        def run(x: jax.Array, params: nnx.State, kind: jax.Array, index: jax.Array) -> jax.Array:
+        def run(x: jax.Array, params: nnx.State, kind: jax.Array, index: jax.Array) -> Any:
             sin, cos, window = angles_and_window(kind)
             block = nnx.merge(graphdef, params)
             drop = None if dropout is None else dropout.at_layer(index)
@@ -325,18 +347,18 @@ class Transformer(nnx.Module):
                 x, sin, cos, kernel=kernel, window=window, segment_ids=segment_ids, dropout=drop
             )
 
-        def layer(x: jax.Array, slot) -> tuple[jax.Array, None]:
+        def layer(x: jax.Array, slot) -> tuple[jax.Array, MoeStats | None]:
             if active is None:
-                return run(x, *slot), None
+                return run(x, *slot)
             params, kind, index, on = slot
-            return jnp.where(on, run(x, params, kind, index), x), None
+            y, stats = run(x, params, kind, index)
+            return jnp.where(on, y, x), stats
 
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         indices = jnp.arange(kinds.shape[0], dtype=jnp.int32)
         xs = (stacked, kinds, indices) if active is None else (stacked, kinds, indices, active)
-        x, _ = jax.lax.scan(layer, x, xs)
-        return x
+        return jax.lax.scan(layer, x, xs)
 
 
 @nnx.jit

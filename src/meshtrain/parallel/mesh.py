@@ -20,9 +20,10 @@ from jax.sharding import AxisType, Mesh
 
 from meshtrain.errors import ConfigError
 
-# Outermost to innermost: replicas, pipeline stages, parameter shards, sequence (context
-# parallel) shards, tensor parallel.
-MESH_AXES: tuple[str, ...] = ("dp", "pp", "fsdp", "cp", "tp")
+# Outermost to innermost: replicas, pipeline stages, parameter shards, expert shards (a mixture
+# of experts' experts; the batch is split over them too), sequence (context parallel) shards,
+# tensor parallel.
+MESH_AXES: tuple[str, ...] = ("dp", "pp", "fsdp", "ep", "cp", "tp")
 
 
 @dataclass(frozen=True)

@@ -300,7 +300,7 @@ def _metrics_hooks(
         meter=meter,
         tokens_per_step=setup.global_batch * setup.cfg.data.seq_len,
         batches=batches,
-        objective_metrics=setup.objective.metric_names,
+        objective_metrics=setup.objective.logged_names,
     )
     guard = NonfiniteGuard(
         AnyOf((record, saves.cadence)), mode=training.nonfinite, checkpoints=checkpoints

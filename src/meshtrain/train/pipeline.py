@@ -112,9 +112,10 @@ def _stage_runner(net: Transformer, kernel: AttentionKernel) -> Callable[..., ja
 
     def run(stacked: Any, kinds: jax.Array, active, x: jax.Array, positions, segment_ids):
         per_kind = net.rope_per_kind(positions)
-        return net.scan_blocks(
+        x, _ = net.scan_blocks(  # no routing statistics: pp refuses a mixture of experts
             graphdef, stacked, x, per_kind, kinds, kernel, segment_ids, active=active
         )
+        return x
 
     return run
 

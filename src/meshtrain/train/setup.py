@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,7 +63,10 @@ class Setup:
     def objective(self) -> Objective:
         """What the step minimises, reading the batches as this set-up does."""
         compute_dtype = COMPUTE_DTYPES[self.cfg.training.mixed_precision]
-        inputs = StepInputs(self.token_format, compute_dtype, self.pipeline)
+        moe = self.cfg.model.moe
+        inputs = StepInputs(
+            self.token_format, compute_dtype, self.pipeline, moe if moe.num_experts else None
+        )
         return build_objective(inputs, self.cfg.objective)
 
     @property
@@ -73,7 +77,9 @@ class Setup:
 
     @property
     def batch_shards(self) -> int:
-        return self.mesh.shape["dp"] * self.mesh.shape["fsdp"]
+        """The devices a batch is split over (its rule's mesh axes: dp, fsdp and ep)."""
+        axes = mesh_axes_for("batch", self.cfg.model.logical_axis_rules)
+        return math.prod(self.mesh.shape[axis] for axis in axes)
 
     @property
     def micro_global(self) -> int:

@@ -19,10 +19,12 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from meshtrain.config.moe import MoeConfig
 from meshtrain.config.objective import ObjectiveConfig
 from meshtrain.models.abstract import AbstractModel
 from meshtrain.models.frozen import is_quantized
 from meshtrain.models.lora import AdapterDropout
+from meshtrain.models.routing import MOE_METRICS, MoeStats, auxiliary_losses
 from meshtrain.models.transformer import default_positions
 from meshtrain.parallel.context import context_layout, split_sequences
 from meshtrain.train.documents import TokenFormat
@@ -38,6 +40,7 @@ class StepInputs:
     token_format: TokenFormat
     compute_dtype: jnp.dtype
     pipeline: PipelinePlan | None = None
+    moe: MoeConfig | None = None  # the model's mixture of experts: its auxiliary losses
 
 
 def cast_params(model: AbstractModel, params: Any, compute_dtype: jnp.dtype) -> Any:
@@ -122,6 +125,28 @@ class Objective(ABC):
     def metrics(self, sums: Sums) -> dict[str, Any]:
         """The logged metrics of an update (or a validation pass) from its summed sums, whose
         "count" the caller has raised to at least 1: "loss" (the loss sum over the count), then
-        the objective's own, in the order they are logged. Plain arithmetic, so that the same
-        code runs on the devices (jax arrays, in the step) and on the host (float64 numpy)."""
-        return {"loss": sums["loss"] / sums["count"]}
+        the objective's own, in the order they are logged, then a mixture of experts' (each
+        averaged as the loss is). Plain arithmetic, so that the same code runs on the devices
+        (jax arrays, in the step) and on the host (float64 numpy)."""
+        auxiliary = {name: sums[name] / sums["count"] for name in MOE_METRICS if name in sums}
+        return {"loss": sums["loss"] / sums["count"], **auxiliary}
+
+    @property
+    def logged_names(self) -> tuple[str, ...]:
+        """Its metrics and a mixture of experts', in the order they are logged."""
+        return (*self.metric_names, *(MOE_METRICS if self.inputs.moe is not None else ()))
+
+    def with_auxiliary(self, sums: Sums, stats: MoeStats | None) -> Sums:
+        """`sums` with the model's auxiliary losses (a mixture of experts': load balance and
+        router z-loss, models.routing.auxiliary_losses, from its routing statistics; none where
+        `stats` is None) added to the loss, and their metrics: each weighted by the count, so
+        that the loss of an update is the objective's mean plus the auxiliary losses averaged
+        over its micro-batches as the objective's count weighs them, on any split of the
+        batch."""
+        if stats is None:
+            return sums
+        weighted = {
+            name: value * sums["count"]
+            for name, value in auxiliary_losses(stats, self.inputs.moe).items()
+        }
+        return {**sums, "loss": sums["loss"] + weighted.pop("loss"), **weighted}

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from meshtrain.models.abstract import AbstractModel, merge_model
 from meshtrain.models.lora import AdapterDropout, split_adapters
+from meshtrain.models.routing import MoeStats
 from meshtrain.models.transformer import default_positions
 from meshtrain.parallel.rules import constrain
 from meshtrain.train.documents import TokenFormat
@@ -42,7 +43,7 @@ class NextToken(Objective):
         dropout: AdapterDropout | None = None,
     ) -> Sums:
         inputs = self.inputs
-        loss, count = token_loss_sum(
+        loss, count, stats = token_loss_sum(
             model,
             model.full_params(params, frozen),
             rows,
@@ -51,7 +52,7 @@ class NextToken(Objective):
             pipeline=inputs.pipeline,
             dropout=dropout,
         )
-        return {"loss": loss, "count": count}
+        return self.with_auxiliary({"loss": loss, "count": count}, stats)
 
     def loss_and_grads(self, model: AbstractModel) -> LossAndGrads:
         pipeline = self.inputs.pipeline
@@ -82,8 +83,9 @@ def token_loss_sum(
     compute_dtype: jnp.dtype,
     pipeline: PipelinePlan | None = None,
     dropout: AdapterDropout | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Summed cross-entropy over the targets that carry loss, and their count. tokens:
+) -> tuple[jax.Array, jax.Array, MoeStats | None]:
+    """Summed cross-entropy over the targets that carry loss, their count, and a mixture of
+    experts' routing statistics (None without experts, or with a pipeline). tokens:
     [B, seq_len + 1].
 
     With document masking (token_format.documents), a token attends only to the earlier tokens
@@ -93,10 +95,12 @@ def token_loss_sum(
     net = merge_model(model, cast_params(model, params, compute_dtype))
     inputs, targets, mask, segment_ids, positions = read_in_layout(token_format, tokens, net.rules)
     if pipeline is None:
-        hidden = net.hidden(inputs, positions, segment_ids, dropout, in_layout=True)
+        hidden, stats = net.hidden_and_stats(
+            inputs, positions, segment_ids, dropout, in_layout=True
+        )
         weight, layout = net.output_weight()
         loss = output_cross_entropy(hidden, weight, layout, targets, mask, rules=net.rules)
-        return loss, jnp.sum(mask)
+        return loss, jnp.sum(mask), stats
     x = net.embed_tokens(inputs)
     kernel, _ = net.attention_kernel(x.dtype)
     positions = default_positions(inputs) if positions is None else positions
@@ -105,7 +109,7 @@ def token_loss_sum(
     loss = _head_loss(
         net, constrain(hidden, ("batch", "length", None), rules), targets, mask, rules
     )
-    return loss, jnp.sum(mask)
+    return loss, jnp.sum(mask), None
 
 
 def _head_loss(

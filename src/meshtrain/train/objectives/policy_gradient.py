@@ -155,7 +155,8 @@ class GroupRelative(Objective):
         }
         rows_count = jnp.asarray(mask.shape[0], jnp.float32)
         sums = {"loss": loss, "count": count, "tokens": jnp.sum(mask), "rows": rows_count}
-        return sums | metric_sums | {"entropy": jnp.sum(policy.entropy * mask)}
+        sums |= metric_sums | {"entropy": jnp.sum(policy.entropy * mask)}
+        return self.with_auxiliary(sums, policy.stats)
 
     def metrics(self, sums: Sums) -> dict[str, Any]:
         tokens = sums["tokens"]

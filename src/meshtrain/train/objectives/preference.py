@@ -160,9 +160,10 @@ class Preference(Objective):
         per_sequence = per_sequence.at[:, 2::2].set(d_rejected.reshape(mask.shape[0], -1))
         coefficients = jnp.take_along_axis(per_sequence, segment_ids, axis=1) * mask
         loss = policy.loss_with_gradient(loss, coefficients)
-        return {"loss": loss, "count": jnp.sum(valid, dtype=jnp.float32)} | self._metric_sums(
+        sums = {"loss": loss, "count": jnp.sum(valid, dtype=jnp.float32)} | self._metric_sums(
             chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, valid
         )
+        return self.with_auxiliary(sums, policy.stats)
 
     def _metric_sums(
         self,

@@ -21,6 +21,7 @@ import numpy as np
 
 from meshtrain.models.abstract import AbstractModel, merge_model
 from meshtrain.models.lora import AdapterDropout
+from meshtrain.models.routing import MoeStats
 from meshtrain.train.loss import output_cross_entropy, target_log_probs
 from meshtrain.train.objectives.base import StepInputs, cast_params
 
@@ -41,6 +42,7 @@ class TokenScores:
     positions: jax.Array | None
     inputs: jax.Array  # int32 [B, T]
     entropy: jax.Array | None = None  # fp32 [B, T], the policy's at each position, if asked
+    stats: MoeStats | None = None  # a mixture of experts' routing statistics (its aux losses)
 
     def loss_with_gradient(self, loss: jax.Array, coefficients: jax.Array) -> jax.Array:
         """`loss` (its value), with the gradient Σ_t c_t ∇log p_t: coefficients fp32 [B, T] are
@@ -66,7 +68,7 @@ def policy_scores(
     dtype = inputs.compute_dtype
     tokens, targets, mask, segment_ids, positions = inputs.token_format.read(rows)
     net = merge_model(model, cast_params(model, model.full_params(params, frozen), dtype))
-    hidden = net.hidden(tokens, positions, segment_ids, dropout, in_layout=True)
+    hidden, stats = net.hidden_and_stats(tokens, positions, segment_ids, dropout, in_layout=True)
     weight, layout = net.output_weight()
     scores = target_log_probs(hidden, weight, layout, targets, rules=net.rules, entropy=entropy)
     log_probs, entropies = scores if entropy else (scores, None)
@@ -82,6 +84,7 @@ def policy_scores(
         positions,
         tokens,
         entropies,
+        stats,
     )
 
 

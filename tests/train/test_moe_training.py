@@ -1,0 +1,111 @@
+"""A mixture of experts in training (model.moe; the Qwen3-MoE family of tests/helpers/tiny_hf:
+8 experts, 3 per token, from random weights): three steps give one device's losses, gradient
+norms and auxiliary losses on ep, fsdp and tp meshes (1e-5); the auxiliary losses are added to
+the objective's loss as model.moe's coefficients say and logged; capacity mode with room for
+every token is dropless; what a mesh cannot hold is refused in one line."""
+
+import numpy as np
+import pytest
+from helpers.config import compose_config
+from helpers.runs import train_tiny
+from helpers.tiny_hf import SPECS
+
+from meshtrain.config.validate import check_against_mesh
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.mesh import parse_mesh_shape
+
+MOE = (
+    *SPECS["qwen3_moe"][1],
+    "data=synthetic",
+    "data.seq_len=32",
+    "training.global_batch_size=8",
+    "training.steps=3",
+    "training.log_every=1",
+    "training.warmup_steps=1",
+    "training.eval_every=0",
+    "model.moe.aux_loss_coef=0.01",
+    "model.moe.z_loss_coef=0.001",
+)
+LOGGED = ("loss", "grad_norm", "moe/aux_loss", "moe/z_loss", "moe/load_min", "moe/load_max")
+
+
+def _curves(result) -> np.ndarray:
+    """[steps, LOGGED]: what each step logged."""
+    return np.array([[h[name] for name in LOGGED] for h in result.history])
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    return _curves(train_tiny(tmp_path_factory.mktemp("one"), *MOE, devices=1))
+
+
+def test_the_auxiliary_losses_are_logged_and_added_to_the_loss(one_device, tmp_path):
+    """Step 1 (the same weights): the loss with the coefficients is the next-token loss plus
+    0.01 · aux + 0.001 · z; the load-balancing loss is near top_k = 3 for a fresh router (an
+    even load gives exactly top_k), every expert takes some tokens and none all of them."""
+    without = train_tiny(
+        tmp_path,
+        *MOE,
+        "model.moe.aux_loss_coef=0.0",
+        "model.moe.z_loss_coef=0.0",
+        "training.steps=1",
+        devices=1,
+    )
+    loss, _, aux, z, load_min, load_max = one_device[0]
+    np.testing.assert_allclose(loss, without.history[0]["loss"] + 0.01 * aux + 0.001 * z, rtol=1e-6)
+    assert 3.0 <= aux < 3.3
+    assert z > 0
+    assert 0.3 < load_min < 1.0 < load_max < 2.0
+    assert without.history[0]["moe/dropped"] == 0
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        "[[2,4],[ep,fsdp]]",
+        pytest.param("[[2,2,2],[ep,fsdp,tp]]", marks=pytest.mark.slow),
+        pytest.param("[[4,2],[ep,tp]]", marks=pytest.mark.slow),
+    ],
+)
+def test_any_mesh_with_ep_gives_the_losses_of_one_device(one_device, mesh, tmp_path):
+    result = train_tiny(tmp_path, *MOE, f"model.mesh_shape={mesh}")
+    np.testing.assert_allclose(_curves(result), one_device, rtol=1e-5)
+
+
+@pytest.mark.slow  # one run, 6 s
+def test_capacity_mode_with_room_for_every_token_is_dropless(one_device, tmp_path):
+    """capacity_factor = E / top_k: each expert may take every token of a micro-batch."""
+    result = train_tiny(tmp_path, *MOE, "model.moe.capacity_factor=2.67")
+    np.testing.assert_allclose(_curves(result), one_device, rtol=1e-5)
+    assert [h["moe/dropped"] for h in result.history] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("model", "mesh", "message"),
+    [
+        (
+            SPECS["qwen3_moe"][1],
+            "[[3,2],[ep,fsdp]]",
+            "ep=3 in model.mesh_shape does not divide model.moe.num_experts=8; use ep in "
+            "{1, 2, 4, 8} (divisors of model.moe.num_experts=8)",
+        ),
+        (
+            ("model=tiny",),
+            "[[2,4],[ep,fsdp]]",
+            "ep=2 in model.mesh_shape splits the experts of a mixture of experts, but model "
+            "tiny has none (model.moe.num_experts=0); put those devices on dp or fsdp",
+        ),
+        (
+            SPECS["qwen3_moe"][1],
+            "[[2,4],[pp,fsdp]]",
+            "model.mesh_shape has pp=2, but the pipeline schedules do not carry a mixture of "
+            "experts' auxiliary losses yet; put those devices on ep, fsdp or dp",
+        ),
+    ],
+)
+def test_what_a_mesh_cannot_hold_is_one_line(model, mesh, message):
+    cfg = compose_config(*model, f"model.mesh_shape={mesh}", "training.global_batch_size=24")
+    devices = 6 if mesh.startswith("[[3,2]") else 8
+    with pytest.raises(ConfigError) as error:
+        check_against_mesh(cfg, parse_mesh_shape(cfg.model.mesh_shape, devices))
+    assert str(error.value) == message
