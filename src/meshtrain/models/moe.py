@@ -21,17 +21,20 @@ gets one. The base weights may be QLoRA's block-quantised codes, dequantised whe
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from meshtrain.models.layers import Projections, normal_param
 from meshtrain.models.lora import AdapterDropout, LoraSpec, add_adapter
 from meshtrain.models.routing import MoeStats, route, routing_stats
-from meshtrain.parallel.rules import Rules, constrain
+from meshtrain.parallel.rules import Rules, constrain, mesh_axes_for
 
 EXPERT_PROJECTIONS = ("gate", "up", "down")
 """The experts' projections, each of which LoRA may target (the router: never)."""
@@ -115,11 +118,15 @@ class MoeFeedForward(Projections):
             logits, top_k=self.top_k, score=self.score, normalize_top_k=self.normalize_top_k
         )
         adapter_inputs, down_keep = self.adapter_inputs(x, dropout)
-        if self.capacity_factor is None:
-            outputs = self.dropless(flat, experts, adapter_inputs, down_keep)
-            dropped = jnp.zeros((), jnp.int32)
+        params = self.expert_params(x.dtype)
+        run = functools.partial(self.experts_on, length=length)
+        axes = expert_axes(self.rules)
+        if axes:
+            outputs, dropped = self.expert_parallel(
+                run, axes, flat, experts, params, adapter_inputs, down_keep
+            )
         else:
-            outputs, dropped = self.with_capacity(flat, experts, adapter_inputs, down_keep)
+            outputs, dropped = run(flat, experts, params, adapter_inputs, down_keep)
         # [N, K, D] weighted and summed over the K picks in fp32
         y = jnp.sum(outputs.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
         y = constrain(y.reshape(batch, length, d_model), ("batch", "length", None), self.rules)
@@ -133,22 +140,22 @@ class MoeFeedForward(Projections):
         )
         return y, stats
 
-    def expert_weights(self, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """gate, up [E, D, F] and down [E, F, D], cast to the compute dtype (a quantised one
-        dequantised by self.weight)."""
-        return tuple(
-            self.gathered(name, self.weight(name).astype(dtype)) for name in EXPERT_PROJECTIONS
-        )
+    def expert_params(self, dtype: jnp.dtype) -> dict[str, jax.Array]:
+        """The experts' weights, gate, up [E, D, F] and down [E, F, D], and their adapters
+        (`<name>_lora_a` [E, *in, r], `<name>_lora_b` [E, r, *out]), cast to the compute dtype
+        (a quantised weight dequantised by self.weight)."""
+        params = {}
+        for name in EXPERT_PROJECTIONS:
+            params[name] = self.gathered(name, self.weight(name).astype(dtype))
+            if self.adapted(name):
+                for suffix in ("_lora_a", "_lora_b"):
+                    value = getattr(self, f"{name}{suffix}")[...].astype(dtype)
+                    params[f"{name}{suffix}"] = self.gathered(f"{name}{suffix}", value)
+        return params
 
     def adapted(self, name: str) -> bool:
         """Whether the projection `name` has an adapter."""
         return self.lora is not None and name in self.lora.targets
-
-    def adapter(self, name: str, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-        """The adapter of `name` in the compute dtype: A [E, *in, r], B [E, r, *out]."""
-        a = getattr(self, f"{name}_lora_a")[...].astype(dtype)
-        b = getattr(self, f"{name}_lora_b")[...].astype(dtype)
-        return self.gathered(f"{name}_lora_a", a), self.gathered(f"{name}_lora_b", b)
 
     def adapter_inputs(
         self, x: jax.Array, dropout: AdapterDropout | None
@@ -186,16 +193,16 @@ class MoeFeedForward(Projections):
         name: str,
         matmul: Callable[[jax.Array, jax.Array], jax.Array],
         lhs: jax.Array,
-        w: jax.Array,
+        params: dict[str, jax.Array],
         adapter_lhs: jax.Array | None = None,
     ) -> jax.Array:
-        """Each expert's rows of lhs times its weight w, by matmul (a grouped or a batched
-        product over the experts), plus alpha/r · (adapter_lhs·A_e)·B_e where `name` has an
-        adapter (adapter_lhs: lhs dropped out, or lhs itself when None), in lhs's dtype."""
-        y = matmul(lhs, w)
+        """Each expert's rows of lhs times its weight params[name], by matmul (a grouped or a
+        batched product over the experts), plus alpha/r · (adapter_lhs·A_e)·B_e where `name`
+        has an adapter (adapter_lhs: lhs dropped out, or lhs itself when None), in lhs's dtype."""
+        y = matmul(lhs, params[name])
         if not self.adapted(name):
             return y
-        a, b = self.adapter(name, lhs.dtype)
+        a, b = params[f"{name}_lora_a"], params[f"{name}_lora_b"]
         low = matmul(lhs if adapter_lhs is None else adapter_lhs, a)  # [..., r]
         return y + matmul(low * jnp.asarray(self.lora.scale, low.dtype), b)
 
@@ -204,79 +211,193 @@ class MoeFeedForward(Projections):
             jax.nn.silu(gate) if self.activation == "silu" else jax.nn.gelu(gate, approximate=True)
         )
 
-    def dropless(
+    def experts_on(
         self,
         flat: jax.Array,
         experts: jax.Array,
+        params: dict[str, jax.Array],
+        adapter_inputs: dict[str, jax.Array],
+        down_keep: jax.Array | None,
+        *,
+        length: int,
+        first: Any = 0,
+    ) -> tuple[jax.Array, jax.Array]:
+        """The experts params holds (E_l of them, the first numbered `first`) on the picks
+        routed to them: flat [N, D] (whole sequences of `length` tokens), experts [N, K] →
+        (outputs [N, K, D], zero for a pick of another expert or dropped; the picks dropped,
+        int32 []). adapter_inputs, down_keep: see adapter_inputs."""
+        local = params["gate"].shape[0]
+        picks = experts - first
+        picks = jnp.where((picks >= 0) & (picks < local), picks, local)  # local: another's
+        if self.capacity_factor is None:
+            outputs = self.dropless(flat, picks, params, adapter_inputs, down_keep)
+            return outputs, jnp.zeros((), jnp.int32)
+        rows = flat.shape[0] // length
+        per_row = jax.vmap(self.with_capacity, in_axes=(0, 0, None, 0, 0))
+        outputs, dropped = per_row(
+            flat.reshape(rows, length, -1),
+            picks.reshape(rows, length, -1),
+            params,
+            {k: v.reshape(rows, length, -1) for k, v in adapter_inputs.items()},
+            None if down_keep is None else down_keep.reshape(rows, length * self.top_k, -1),
+        )
+        return outputs.reshape(*experts.shape, -1), jnp.sum(dropped)
+
+    def expert_parallel(
+        self,
+        run: Callable[..., tuple[jax.Array, jax.Array]],
+        axes: tuple[str, ...],
+        flat: jax.Array,
+        experts: jax.Array,
+        params: dict[str, jax.Array],
+        adapter_inputs: dict[str, jax.Array],
+        down_keep: jax.Array | None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """`run` (experts_on) with the experts split over the mesh axes `axes` (ep), in a
+        shard_map manual over every axis: each device gathers the tokens of the devices that
+        share its tokens' other shards but hold other experts (an all-gather over ep), runs
+        its own E/ep experts on the picks routed to them, whole (their weights gathered over
+        the other axes, as fsdp gathers a layer's), and the outputs go back to the devices
+        that hold their tokens, summed (a reduce-scatter over ep: each pick was computed on
+        one device, zeros elsewhere). The gradients take the transposed way."""
+        mesh = jax.sharding.get_abstract_mesh()
+        tokens = P(tuple(a for a in token_axes(self.rules) if mesh.shape[a] > 1) or None)
+        experts_only = P(axes)
+
+        def body(flat, experts, params, adapter_inputs, down_keep):
+            gather = functools.partial(jax.lax.all_gather, axis_name=axes, axis=0, tiled=True)
+            first = jax.lax.axis_index(axes) * params["gate"].shape[0]
+            outputs, dropped = run(
+                gather(flat),
+                gather(experts),
+                params,
+                {k: gather(v) for k, v in adapter_inputs.items()},
+                None if down_keep is None else gather(down_keep),
+                first=first,
+            )
+            outputs = jax.lax.psum_scatter(outputs, axes, scatter_dimension=0, tiled=True)
+            others = tuple(a for a in mesh.axis_names if a not in axes and a in tokens_of(tokens))
+            return outputs, jax.lax.psum(dropped, (*axes, *others))
+
+        def whole(name: str) -> P:  # an expert weight: split over ep only
+            return experts_only
+
+        params_specs = {name: whole(name) for name in params}
+        return jax.shard_map(
+            body,
+            in_specs=(
+                tokens,
+                tokens,
+                params_specs,
+                {k: tokens for k in adapter_inputs},
+                None if down_keep is None else tokens,
+            ),
+            out_specs=(tokens, P()),
+            axis_names=set(mesh.axis_names),
+            check_vma=False,
+        )(flat, experts, params, adapter_inputs, down_keep)
+
+    def dropless(
+        self,
+        flat: jax.Array,
+        picks: jax.Array,
+        params: dict[str, jax.Array],
         adapter_inputs: dict[str, jax.Array] | None = None,
         down_keep: jax.Array | None = None,
     ) -> jax.Array:
-        """Every expert on every assignment routed to it: flat [N, D], experts [N, K] →
-        outputs [N, K, D], the output of the k-th pick of each token (unweighted).
-        adapter_inputs, down_keep: see adapter_inputs."""
+        """Every expert of params (E_l) on every pick routed to it: flat [N, D], picks [N, K]
+        (an expert of params, or E_l for another's) → outputs [N, K, D], the output of the k-th
+        pick of each token (unweighted; zero for another's). adapter_inputs, down_keep: see
+        adapter_inputs."""
         adapter_inputs = adapter_inputs or {}
-        num_tokens, top_k = experts.shape
-        gate, up, down = self.expert_weights(flat.dtype)
-        assigned = experts.reshape(-1)  # [M], token-major
-        order = jnp.argsort(assigned, stable=True)  # [M]: the assignments grouped by expert
-        group_sizes = jnp.bincount(assigned, length=self.num_experts).astype(jnp.int32)  # [E]
+        num_tokens, top_k = picks.shape
+        local = params["gate"].shape[0]
+        assigned = picks.reshape(-1)  # [M], token-major
+        order = jnp.argsort(assigned, stable=True)  # [M]: grouped by expert, another's last
+        group_sizes = jnp.sum(
+            jax.nn.one_hot(assigned, local, dtype=jnp.int32), axis=0
+        )  # [E_l]: another's pick (E_l) counts in none
         token = order // top_k  # [M]: each assignment's token, in expert order
         rows = flat[token]  # [M, D]
 
-        def matmul(lhs: jax.Array, rhs: jax.Array) -> jax.Array:  # [M, i] · [E, i, o] → [M, o]
-            return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+        def matmul(lhs: jax.Array, rhs: jax.Array) -> jax.Array:  # [M, i] · [E_l, i, o]
+            return jax.lax.ragged_dot(lhs, rhs, group_sizes)  # rows past the groups: 0
 
         def adapter_rows(name: str) -> jax.Array | None:
             inputs = adapter_inputs.get(name)
             return None if inputs is None else inputs[token]
 
         hidden = self.act(
-            self.expert_projection("gate", matmul, rows, gate, adapter_rows("gate"))
-        ) * self.expert_projection("up", matmul, rows, up, adapter_rows("up"))  # [M, F]
+            self.expert_projection("gate", matmul, rows, params, adapter_rows("gate"))
+        ) * self.expert_projection("up", matmul, rows, params, adapter_rows("up"))  # [M, F]
         hidden = constrain(hidden, (None, "expert_mlp"), self.rules)
         kept = None if down_keep is None else hidden * down_keep[order]
-        out = self.expert_projection("down", matmul, hidden, down, kept)  # [M, D], in expert order
+        out = self.expert_projection("down", matmul, hidden, params, kept)  # [M, D], by expert
         unsorted = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
         return out[unsorted].reshape(num_tokens, top_k, -1)
 
     def with_capacity(
         self,
         flat: jax.Array,
-        experts: jax.Array,
+        picks: jax.Array,
+        params: dict[str, jax.Array],
         adapter_inputs: dict[str, jax.Array] | None = None,
         down_keep: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        """Each expert on its first C assignments in token order: flat [N, D], experts [N, K] →
-        (outputs [N, K, D], zero for a dropped assignment; the number dropped, int32 []).
-        adapter_inputs, down_keep: see adapter_inputs."""
+        """Each expert of params (E_l) on its first C picks of one sequence, in token order:
+        flat [T, D], picks [T, K] (an expert of params, or E_l for another's) → (outputs
+        [T, K, D], zero for a dropped pick or another's; the picks of its experts dropped,
+        int32 []). C = expert_capacity over the sequence's T tokens and all E experts, so that
+        which picks drop depends on the sequence alone, never on how the batch or the experts
+        are split over devices. adapter_inputs, down_keep: see adapter_inputs."""
         adapter_inputs = adapter_inputs or {}
-        num_tokens, top_k = experts.shape
+        num_tokens, top_k = picks.shape
+        local = params["gate"].shape[0]
         capacity = expert_capacity(self.capacity_factor, num_tokens, top_k, self.num_experts)
-        gate, up, down = self.expert_weights(flat.dtype)
-        assigned = experts.reshape(-1)  # [M], token-major: token n's picks at n·K ... n·K + K - 1
-        arrivals = jnp.cumsum(jax.nn.one_hot(assigned, self.num_experts, dtype=jnp.int32), axis=0)
-        position = jnp.take_along_axis(arrivals, assigned[:, None], axis=1)[:, 0] - 1  # [M]
-        slot = jnp.where(position < capacity, position, capacity)  # capacity: out of the buffer
+        assigned = picks.reshape(-1)  # [M], token-major: token n's picks at n·K ... n·K + K - 1
+        arrivals = jnp.cumsum(jax.nn.one_hot(assigned, local, dtype=jnp.int32), axis=0)
+        mine = assigned < local
+        position = jnp.take_along_axis(arrivals, jnp.minimum(assigned, local - 1)[:, None], 1)
+        position = position[:, 0] - 1  # [M]: the pick's place in its expert's queue
+        slot = jnp.where(mine & (position < capacity), position, capacity)  # capacity: none
         tokens = jnp.arange(assigned.size) // top_k  # [M]
 
-        def dispatch(rows: jax.Array) -> jax.Array:  # [M, i], token-major → [E, C, i]
-            buffer = jnp.zeros((self.num_experts, capacity, rows.shape[-1]), rows.dtype)
+        def dispatch(rows: jax.Array) -> jax.Array:  # [M, i], token-major → [E_l, C, i]
+            buffer = jnp.zeros((local, capacity, rows.shape[-1]), rows.dtype)
             return buffer.at[assigned, slot].set(rows, mode="drop")
 
-        def matmul(lhs: jax.Array, rhs: jax.Array) -> jax.Array:  # [E, C, i] · [E, i, o]
+        def matmul(lhs: jax.Array, rhs: jax.Array) -> jax.Array:  # [E_l, C, i] · [E_l, i, o]
             return jnp.einsum("ECi,Eio->ECo", lhs, rhs)
 
         def adapter_buffer(name: str) -> jax.Array | None:
             inputs = adapter_inputs.get(name)
             return None if inputs is None else dispatch(inputs[tokens])
 
-        buffer = constrain(dispatch(flat[tokens]), ("experts", None, None), self.rules)  # [E, C, D]
+        buffer = dispatch(flat[tokens])  # [E_l, C, D]
         hidden = self.act(
-            self.expert_projection("gate", matmul, buffer, gate, adapter_buffer("gate"))
-        ) * self.expert_projection("up", matmul, buffer, up, adapter_buffer("up"))
-        hidden = constrain(hidden, ("experts", None, "expert_mlp"), self.rules)  # [E, C, F]
+            self.expert_projection("gate", matmul, buffer, params, adapter_buffer("gate"))
+        ) * self.expert_projection("up", matmul, buffer, params, adapter_buffer("up"))
         kept = None if down_keep is None else hidden * dispatch(down_keep)
-        out = self.expert_projection("down", matmul, hidden, down, kept)  # [E, C, D]
+        out = self.expert_projection("down", matmul, hidden, params, kept)  # [E_l, C, D]
         outputs = out.at[assigned, slot].get(mode="fill", fill_value=0)  # [M, D]
-        dropped = jnp.sum(position >= capacity, dtype=jnp.int32)
+        dropped = jnp.sum(mine & (position >= capacity), dtype=jnp.int32)
         return outputs.reshape(num_tokens, top_k, -1), dropped
+
+
+def expert_axes(rules: Rules) -> tuple[str, ...]:
+    """The mesh axes of size > 1 the experts are split over in the current mesh (ep), or ()."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    return tuple(a for a in mesh_axes_for("experts", rules) if mesh.shape.get(a, 1) > 1)
+
+
+def token_axes(rules: Rules) -> tuple[str, ...]:
+    """The mesh axes a layer's tokens [B·T, ...] are split over: the batch's, then the
+    sequence's (cp)."""
+    return (*mesh_axes_for("batch", rules), *mesh_axes_for("length", rules))
+
+
+def tokens_of(spec: P) -> tuple[str, ...]:
+    entry = spec[0] if len(spec) else None
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

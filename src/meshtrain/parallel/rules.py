@@ -65,9 +65,11 @@ def constrain(x: jax.Array, logical_axes: LogicalAxes, rules: Rules) -> jax.Arra
     A no-op outside a mesh context (e.g. a model called eagerly in a notebook). A dimension
     its mesh axes do not divide (one sequence of inference on an fsdp=8 mesh) is left to XLA:
     constrained, it would be padded to one row per device, every device computing it whole.
+    Inside a shard_map manual over every mesh axis (a mixture of experts' expert parallel
+    layer), where each device holds its own block, a no-op too.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or set(mesh.manual_axes) == set(mesh.axis_names):
         return x
     entries = []
     for dim, entry in zip(x.shape, logical_to_spec(logical_axes, rules), strict=False):
