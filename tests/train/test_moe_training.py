@@ -2,17 +2,22 @@
 8 experts, 3 per token, from random weights): three steps give one device's losses, gradient
 norms and auxiliary losses on ep, fsdp and tp meshes (1e-5); the auxiliary losses are added to
 the objective's loss as model.moe's coefficients say and logged; capacity mode with room for
-every token is dropless; what a mesh cannot hold is refused in one line."""
+every token is dropless; a checkpoint's logits and greedy continuation on ep meshes are one
+device's; what a mesh cannot hold is refused in one line."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tiny_hf
 from helpers.config import compose_config
 from helpers.runs import train_tiny
 from helpers.tiny_hf import SPECS
 
 from meshtrain.config.validate import check_against_mesh
 from meshtrain.errors import ConfigError
+from meshtrain.inference.generate import generate_ids
 from meshtrain.parallel.mesh import parse_mesh_shape
+from meshtrain.weights.load import load_hf
 
 MOE = (
     *SPECS["qwen3_moe"][1],
@@ -109,3 +114,24 @@ def test_what_a_mesh_cannot_hold_is_one_line(model, mesh, message):
     with pytest.raises(ConfigError) as error:
         check_against_mesh(cfg, parse_mesh_shape(cfg.model.mesh_shape, devices))
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        [[2, 4], ["ep", "fsdp"]],
+        pytest.param([[2, 2, 2], ["ep", "fsdp", "tp"]], marks=pytest.mark.slow),
+    ],
+)
+def test_a_mixture_of_experts_gives_one_devices_logits_and_decodes_on_ep(tmp_path, mesh):
+    """The tiny Qwen3-MoE checkpoint loaded on an ep mesh: the logits of 2 rows and a greedy
+    continuation of one (a decode step of a single row runs its experts unsplit) are one
+    device's."""
+    directory = tiny_hf.write_checkpoint("qwen3_moe", tmp_path / "hf")
+    one, split = load_hf(directory), load_hf(directory, mesh)
+    tokens = jnp.asarray(tiny_hf.TOKENS, jnp.int32)
+    np.testing.assert_allclose(
+        np.asarray(split(tokens)), np.asarray(one(tokens)), rtol=1e-5, atol=1e-5
+    )
+    prompt = [int(t) for t in tiny_hf.TOKENS[0, :8]]
+    np.testing.assert_array_equal(generate_ids(split, prompt, 6), generate_ids(one, prompt, 6))

@@ -121,7 +121,7 @@ class MoeFeedForward(Projections):
         params = self.expert_params(x.dtype)
         run = functools.partial(self.experts_on, length=length)
         axes = expert_axes(self.rules)
-        if axes:
+        if axes and flat.shape[0] % token_shards(self.rules) == 0:
             outputs, dropped = self.expert_parallel(
                 run, axes, flat, experts, params, adapter_inputs, down_keep
             )
@@ -390,6 +390,13 @@ def expert_axes(rules: Rules) -> tuple[str, ...]:
     if mesh.empty:
         return ()
     return tuple(a for a in mesh_axes_for("experts", rules) if mesh.shape.get(a, 1) > 1)
+
+
+def token_shards(rules: Rules) -> int:
+    """The devices a layer's tokens are split over in the current mesh (expert_parallel runs
+    where they divide the tokens; a decode step of fewer rows runs as one program over them)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return math.prod(mesh.shape[a] for a in token_axes(rules))
 
 
 def token_axes(rules: Rules) -> tuple[str, ...]:
