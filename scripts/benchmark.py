@@ -1,6 +1,6 @@
-"""meshtrain's throughput benchmarks, W1 to W4 (docs/performance.md).
+"""meshtrain's throughput benchmarks, W1 to W5 (docs/performance.md).
 
-    python scripts/benchmark.py [--workload W1|W2|W3|W4 ...] [--json] [--quick] [--reference]
+    python scripts/benchmark.py [--workload W1|W2|W3|W4|W5 ...] [--json] [--quick] [--reference]
 
 W1  Llama-style, untied embeddings, d_model 256, 2 layers, 4 heads of 64 (4 kv heads), MLP 1024,
     vocabulary 32000, sequence 256, batch 4, 1 CPU device, fp32.
@@ -9,6 +9,10 @@ W3  the default `python run_training.py`, from launch to the end of step 1: cold
     and warm (the same cache directory, second launch).
 W4  llama3_1b and gemma3_1b in bf16 at sequence 4096 on one GPU, at the micro-batch that fits
     best (GPU only).
+W5  W1's shapes as a mixture of experts (qwen3_moe: 16 experts of width 256, 4 per token, W1's
+    MLP width in active parameters) on 8 faked CPU devices, mesh [[2,4],["ep","fsdp"]], global
+    batch 8; then W5-dense, the same model with a dense MLP of 1024 on [[8,1],["fsdp","tp"]],
+    and the ratio of their step times (dense / MoE: 1 is the MoE at the dense model's speed).
 
 Each of W1, W2 and W4 runs in a child process of its own (the device count is fixed when JAX
 starts), builds the step as a run does (the config composed by Hydra from configs/, then
@@ -102,9 +106,14 @@ def child_main(args: argparse.Namespace) -> None:
         warmup, timed = steps_of(workload, args)
         overrides = [*OVERRIDES[workload], *args.override]
         reference = args.reference and workload == "W1"
-        results = [
-            measure(workload, overrides, devices[: DEVICES[workload]], (warmup, timed), reference)
-        ]
+        used = devices[: DEVICES[workload]]
+        results = [measure(workload, overrides, used, (warmup, timed), reference)]
+        if workload == "W5":  # and the dense model of as many active parameters, after it
+            dense = measure(
+                "W5-dense", [*OVERRIDES["W5-dense"], *args.override], used, (warmup, timed), False
+            )
+            results[0]["dense_ratio"] = dense["step_time_s"] / results[0]["step_time_s"]
+            results.append(dense)
     Path(args.child_out).write_text(json.dumps(results))
 
 
@@ -141,6 +150,10 @@ def describe(result: dict[str, Any]) -> list[str]:
         f"  peak memory  {result['peak_memory_gib']:.2f} GiB ({result['peak_memory_source']}); "
         f"the compiled step plans {result['planned_step_memory_gib']:.3f} GiB",
     ]
+    if "dense_ratio" in result:
+        lines.append(
+            f"  dense / MoE  {result['dense_ratio']:.2f}× (W5-dense's step time over W5's)"
+        )
     if "reference" in result:
         ref = result["reference"]
         lines.append(

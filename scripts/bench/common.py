@@ -22,7 +22,7 @@ from meshtrain.distributed.xla_flags import (  # the standard library only: JAX 
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "configs"
-WORKLOADS = ("W1", "W2", "W3", "W4")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5")
 
 _W1 = [
     "model.name=w1",
@@ -38,17 +38,41 @@ _W1 = [
     "data.seq_len=256",
     "training.mixed_precision=fp32",
 ]
+# W5: W1's shapes as a Qwen3-MoE (16 experts of width 256, 4 per token: W1's MLP width 1024 in
+# active parameters) on 8 faked devices, experts over ep; W5-dense: the same model with a dense
+# MLP of that width, the same devices over fsdp.
+_W5 = [
+    *[o for o in _W1 if not o.startswith("model.name")],
+    "model.qk_norm=true",
+    "training.global_batch_size=8",
+]
 OVERRIDES: dict[str, list[str]] = {
     "W1": [*_W1, 'model.mesh_shape=[[1,1],["fsdp","tp"]]', "training.micro_batch_size=4"],
     "W2": [*_W1, 'model.mesh_shape=[[4,2],["fsdp","tp"]]', "training.global_batch_size=4"],
+    "W5": [
+        *_W5,
+        "model.name=w5",
+        "model.family=qwen3_moe",
+        "model.moe.num_experts=16",
+        "model.moe.top_k=4",
+        "model.moe.expert_dim=256",
+        "model.moe.aux_loss_coef=0.001",
+        'model.mesh_shape=[[2,4],["ep","fsdp"]]',
+    ],
+    "W5-dense": [
+        *_W5,
+        "model.name=w5_dense",
+        "model.family=qwen3",
+        'model.mesh_shape=[[8,1],["fsdp","tp"]]',
+    ],
 }
-DEVICES = {"W1": 1, "W2": 8}
+DEVICES = {"W1": 1, "W2": 8, "W5": 8}
 W4_MODELS = ("llama3_1b", "gemma3_1b")
 W4_SEQ_LEN = 4096
 W4_MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 # (warm-up steps, timed steps) per workload, normal and --quick.
-STEPS = {"W1": (2, 20), "W2": (2, 10), "W4": (3, 20)}
-QUICK_STEPS = {"W1": (1, 3), "W2": (1, 3), "W4": (2, 5)}
+STEPS = {"W1": (2, 20), "W2": (2, 10), "W4": (3, 20), "W5": (2, 10)}
+QUICK_STEPS = {"W1": (1, 3), "W2": (1, 3), "W4": (2, 5), "W5": (1, 3)}
 # The environment of JAX's persistent compilation cache, which the W3 launches must not inherit.
 _CACHE_ENV = (
     "JAX_COMPILATION_CACHE_DIR",

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from meshtrain.models.transformer import Transformer
+from meshtrain.models.interface import LanguageModel
 from meshtrain.parallel.arrays import global_array
 from meshtrain.parallel.rules import constrain, logical_to_spec
 
@@ -44,7 +44,7 @@ def score_chunk(rows: int, vocab: int, length: int) -> int:
 
 @partial(nnx.jit, static_argnames=("chunk",), graph=False)
 def score(
-    model: Transformer,
+    model: LanguageModel,
     tokens: jax.Array,
     positions: jax.Array,
     segment_ids: jax.Array,

@@ -42,8 +42,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from meshtrain.models.attention import AttentionKernel
+from meshtrain.models.interface import LanguageModel
 from meshtrain.models.lora import join_adapters
-from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.rules import Rules, mesh_axes_for
 from meshtrain.train.pipeline_plan import AXIS, PipelinePlan, layer_table
 
@@ -104,7 +104,7 @@ def _hand_over(y: jax.Array, dx: jax.Array, kept: Any, stages: int) -> tuple[Any
     return jax.lax.optimization_barrier((arrived, returned, kept))
 
 
-def _stage_runner(net: Transformer, kernel: AttentionKernel) -> Callable[..., jax.Array]:
+def _stage_runner(net: LanguageModel, kernel: AttentionKernel) -> Callable[..., jax.Array]:
     """(stage's stacked block state, its kinds int32 [layers], which of its slots hold a layer
     bool [layers] or None for all, x [b, T, D], positions [b, T], segment_ids [b, T] or None)
     → x after the stage's layers."""
@@ -121,7 +121,7 @@ def _stage_runner(net: Transformer, kernel: AttentionKernel) -> Callable[..., ja
 
 
 def _stage_layers(
-    net: Transformer, plan: PipelinePlan
+    net: LanguageModel, plan: PipelinePlan
 ) -> tuple[Callable[[Any], Any] | None, jax.Array, jax.Array | None]:
     """The blocks' move into stage order (`arrangement`, None: as stored), and in stage order
     each slot's layer kind int32 [S·R·C] and, for uneven stages, whether it holds a layer
@@ -194,7 +194,7 @@ def _microbatch(a: jax.Array | None, i: jax.Array) -> jax.Array | None:
 
 
 def pipelined_hidden(
-    net: Transformer,
+    net: LanguageModel,
     x: jax.Array,
     positions: jax.Array,
     segment_ids: jax.Array | None,
@@ -269,7 +269,7 @@ def pipelined_hidden(
 
 
 def one_f_one_b(
-    net: Transformer,
+    net: LanguageModel,
     params: Any,
     embed: Callable[[Any], jax.Array],
     head_loss: Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array],
