@@ -5,6 +5,8 @@ the objective's loss as model.moe's coefficients say and logged; capacity mode w
 every token is dropless; a checkpoint's logits and greedy continuation on ep meshes are one
 device's; what a mesh cannot hold is refused in one line."""
 
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -73,8 +75,12 @@ def test_the_auxiliary_losses_are_logged_and_added_to_the_loss(one_device, tmp_p
     ],
 )
 def test_any_mesh_with_ep_gives_the_losses_of_one_device(one_device, mesh, tmp_path):
+    """And the plan counts an eighth of the experts per device: 2 layers × gate, up, down of
+    8 experts [64, 32] in fp32, split 8 ways."""
     result = train_tiny(tmp_path, *MOE, f"model.mesh_shape={mesh}")
     np.testing.assert_allclose(_curves(result), one_device, rtol=1e-5)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["expert_bytes"] == 2 * 3 * 8 * 64 * 32 * 4 // 8
 
 
 @pytest.mark.slow  # one run, 6 s

@@ -78,14 +78,13 @@ def _block(block: int, rows: int, groups: int) -> int:
 
 
 class _Layout(NamedTuple):
-    """Where each row goes in the padded, blocked order (b rows per block, R blocks)."""
+    """Each block's place: block r multiplies rows first[r] ... first[r] + b - 1 (those from
+    first[r] + count[r] on belong to later groups, or to none, and are masked) by rhs[group[r]]."""
 
-    used: jax.Array  # int32 []: the blocks the groups use, at most R, the first of them
-    group: jax.Array  # int32 [R]: each block's group, G - 1 for the unused blocks
-    source: jax.Array  # int32 [R, b]: the row of lhs each padded row reads (clipped to M - 1)
-    valid: jax.Array  # bool [R, b]: the padded rows that hold a row of lhs
-    target: jax.Array  # int32 [M]: each row's padded position (block · b + offset)
-    counted: jax.Array  # bool [M]: the rows that belong to a group (below sum(group_sizes))
+    used: jax.Array  # int32 []: the blocks the groups use (at most R), blocks 0 ... used - 1
+    group: jax.Array  # int32 [R]: each block's group
+    first: jax.Array  # int32 [R]: each block's first row
+    count: jax.Array  # int32 [R]: each block's rows in its group, 1 ... b
 
 
 def _layout(group_sizes: jax.Array, rows: int, block: int) -> _Layout:
@@ -94,65 +93,49 @@ def _layout(group_sizes: jax.Array, rows: int, block: int) -> _Layout:
     ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), rows)  # [G]
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])  # [G]
     block_ends = jnp.cumsum((ends - starts + block - 1) // block)  # [G]
-    block_starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), block_ends[:-1]])  # [G]
-    index = jnp.arange(num_blocks, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(block_ends, index, side="right"), groups - 1)  # [R]
-    first = starts[group] + (index - block_starts[group]) * block  # [R]: the block's first row
-    source = first[:, None] + jnp.arange(block, dtype=jnp.int32)  # [R, b]
-    used = block_ends[-1]
-    valid = (source < ends[group][:, None]) & (index < used)[:, None]
-    row = jnp.arange(rows, dtype=jnp.int32)
-    row_group = jnp.searchsorted(ends, row, side="right")  # [M], G past the groups' rows
-    counted = row_group < groups
-    row_group = jnp.minimum(row_group, groups - 1)
-    target = block_starts[row_group] * block + row - starts[row_group]
-    return _Layout(
-        used.astype(jnp.int32),
-        group.astype(jnp.int32),
-        jnp.minimum(source, rows - 1),
-        valid,
-        jnp.where(counted, target, 0).astype(jnp.int32),
-        counted,
-    )
+    block_starts = block_ends - (ends - starts + block - 1) // block  # [G]
+    index = jnp.arange(num_blocks, dtype=jnp.int32)  # [R]
+    group = jnp.minimum(jnp.searchsorted(block_ends, index, side="right"), groups - 1)
+    first = starts[group] + (index - block_starts[group]) * block
+    return _Layout(block_ends[-1], group, first, jnp.minimum(ends[group] - first, block))
 
 
-def _pad(x: jax.Array, layout: _Layout) -> jax.Array:
-    """[M, i] → [R, b, i], each group's rows padded with zeros to whole blocks."""
-    return jnp.where(layout.valid[..., None], x[layout.source], jnp.zeros((), x.dtype))
+def _rows(x: jax.Array, layout: _Layout, r: jax.Array, block: int) -> jax.Array:
+    """Block r's rows of x [M + b, i] (M rows and b of padding) → [b, i], zero past its group."""
+    rows = jax.lax.dynamic_slice_in_dim(x, layout.first[r], block)
+    keep = jnp.arange(block) < layout.count[r]
+    return jnp.where(keep[:, None], rows, jnp.zeros((), x.dtype))
 
 
-def _unpad(padded: jax.Array, layout: _Layout) -> jax.Array:
-    """[R, b, o] → [M, o], zeros for the rows past the groups'."""
-    flat = padded.reshape(-1, padded.shape[-1])
-    return jnp.where(layout.counted[:, None], flat[layout.target], jnp.zeros((), flat.dtype))
+def _forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, block: int, transpose: bool):
+    """lhs [M, i] times each row's group's rhs [i, o] (rhs [G, i, o]; with transpose, rhs
+    [G, o, i], transposed) → [M, o] in lhs's dtype.
 
-
-def _blocks_times(padded: jax.Array, rhs: jax.Array, layout: _Layout, transpose: bool) -> jax.Array:
-    """Block r of padded [R, b, i] times its group's rhs [i, o] (rhs [G, i, o]; with transpose,
-    rhs [G, o, i] transposed) → [R, b, o] in padded's dtype, the unused blocks zero."""
-    num_blocks, block, _ = padded.shape
-    width = rhs.shape[1] if transpose else rhs.shape[2]
+    Block r writes its b products at its first row, in order, so that a block's masked tail
+    (zeros) lands on rows that the next group's blocks overwrite, or on rows past the groups',
+    which stay zero."""
+    rows = lhs.shape[0]
+    layout = _layout(group_sizes, rows, block)
+    padded = jnp.pad(lhs, ((0, block), (0, 0)))  # [M + b, i]: every block slices b whole rows
     contract = 1 if transpose else 0
 
-    def step(r, out):
+    def step(r, out):  # out [M + b, o]
         w = jax.lax.dynamic_index_in_dim(rhs, layout.group[r], keepdims=False)
-        x = jax.lax.dynamic_index_in_dim(padded, r, keepdims=False)
         y = jax.lax.dot_general(
-            x, w, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32
+            _rows(padded, layout, r, block),
+            w,
+            (((1,), (contract,)), ((), ())),
+            preferred_element_type=jnp.float32,
         )
-        return jax.lax.dynamic_update_index_in_dim(out, y.astype(out.dtype), r, 0)
+        return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), layout.first[r], 0)
 
-    out = jnp.zeros((num_blocks, block, width), padded.dtype)
-    return jax.lax.fori_loop(0, layout.used, step, out)
-
-
-def _forward(lhs: jax.Array, rhs: jax.Array, layout: _Layout, transpose: bool) -> jax.Array:
-    return _unpad(_blocks_times(_pad(lhs, layout), rhs, layout, transpose), layout)
+    out = jnp.zeros((rows + block, rhs.shape[1 if transpose else 2]), lhs.dtype)
+    return jax.lax.fori_loop(0, layout.used, step, out)[:rows]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _grouped(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, block: int) -> jax.Array:
-    return _forward(lhs, rhs, _layout(group_sizes, lhs.shape[0], block), transpose=False)
+    return _forward(lhs, rhs, group_sizes, block, transpose=False)
 
 
 def _grouped_fwd(lhs, rhs, group_sizes, block):
@@ -160,19 +143,21 @@ def _grouped_fwd(lhs, rhs, group_sizes, block):
 
 
 def _grouped_bwd(block, residuals, d_out):
+    """d_lhs = grouped_matmul(d_out, rhs^T), d_rhs[g] = lhs_g^T · d_out_g block by block."""
     lhs, rhs, group_sizes = residuals
-    layout = _layout(group_sizes, lhs.shape[0], block)
     d_out = d_out.astype(lhs.dtype)
-    d_lhs = _forward(d_out, rhs, layout, transpose=True)  # [M, N] · rhs[g]^T [N, K]
-    padded_lhs, padded_out = _pad(lhs, layout), _pad(d_out, layout)  # [R, b, K], [R, b, N]
+    d_lhs = _forward(d_out, rhs, group_sizes, block, transpose=True)  # [M, N] · [N, K] per group
+    layout = _layout(group_sizes, lhs.shape[0], block)
+    padded_lhs = jnp.pad(lhs, ((0, block), (0, 0)))  # [M + b, K]
+    padded_out = jnp.pad(d_out, ((0, block), (0, 0)))  # [M + b, N]
 
     def step(r, d_rhs):  # d_rhs [G, K, N] fp32
-        x = jax.lax.dynamic_index_in_dim(padded_lhs, r, keepdims=False)
-        dy = jax.lax.dynamic_index_in_dim(padded_out, r, keepdims=False)
-        g = layout.group[r]
+        x = _rows(padded_lhs, layout, r, block)  # [b, K], zero past the group: d_out's need not
+        dy = jax.lax.dynamic_slice_in_dim(padded_out, layout.first[r], block)  # [b, N]
         part = jax.lax.dot_general(
             x, dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
+        g = layout.group[r]
         total = jax.lax.dynamic_index_in_dim(d_rhs, g, keepdims=False) + part
         return jax.lax.dynamic_update_index_in_dim(d_rhs, total, g, 0)
 

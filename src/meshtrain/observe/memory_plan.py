@@ -37,17 +37,20 @@ def bytes_per_device(tree: Any, shardings: Any) -> int:
     )
 
 
-def key_value_bytes_per_device(params: Any, shardings: Any) -> int:
-    """Bytes of one device's shards of the attention's key and value projections
-    (params[...]["attn"]["k"] and ["v"], every layer)."""
+def bytes_at(params: Any, shardings: Any, paths: tuple[tuple[str, ...], ...]) -> int:
+    """Bytes of one device's shards of the parameters whose path ends in one of `paths`."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     specs = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     total = 0
     for (path, leaf), sharding in zip(flat, specs, strict=True):
-        names = [getattr(key, "key", None) for key in path[-2:]]
-        if names in (["attn", "k"], ["attn", "v"]):
+        names = tuple(getattr(key, "key", None) for key in path)
+        if any(names[-len(end) :] == end for end in paths):
             total += math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
     return total
+
+
+KEY_VALUE = (("attn", "k"), ("attn", "v"))
+EXPERTS = tuple(("mlp", name) for name in ("gate", "up", "down"))  # of a mixture of experts'
 
 
 def unsharded_grad_bytes(params: Any, shardings: Any, axes: tuple[str, ...]) -> int:
@@ -110,6 +113,8 @@ class MemoryPlan:
     # gathered_kv_bytes (the keys and values each device all-gathers per layer and micro-batch,
     # within the temporaries), parallel.context's.
     context: dict[str, Any] | None = None
+    # A mixture of experts' weights per device (E/ep experts; within the parameters).
+    expert_bytes: int = 0
 
     @property
     def replicated_kv_extra_bytes(self) -> int:
@@ -216,6 +221,11 @@ class MemoryPlan:
                 f"{format_bytes(self.replicated_kv_extra_bytes)} more than a 1/tp split, "
                 "as much again in gradients and in each Adam moment)"
             )
+        if self.expert_bytes:
+            lines.append(
+                f"    experts           {format_bytes(self.expert_bytes):>12}   "
+                f"(the experts this device holds: ep={self.mesh.get('ep', 1)} splits them)"
+            )
         if self.lora:
             lines.append(
                 f"  frozen base         {format_bytes(self.frozen_bytes):>12}   "
@@ -316,14 +326,16 @@ def memory_plan(
     full_model: tuple[Any, Any] | None = None,
     base_dtype: str | None = None,
     context: dict[str, Any] | None = None,
+    experts: bool = False,
 ) -> MemoryPlan:
     """The plan of a compiled train step whose state has these shapes and shardings;
     `replicated_kv_over`: the tp ranks that hold the key/value projections whole (1: split);
     `unsharded_grad_axes`: the mesh axes gradients are summed whole along before they are
     reduced (train.gradients), if any; `pipeline`: the pp schedule's numbers, if any. LoRA:
     `full_model`, the (shapes, shardings) of every parameter, and the base's storage;
-    `context`: the cp split's numbers, if any. Without `full_model`, a frozen part of the state
-    is an objective's reference copy of the parameters."""
+    `context`: the cp split's numbers, if any; `experts`: the blocks' feed-forward is a mixture
+    of experts. Without `full_model`, a frozen part of the state is an objective's reference
+    copy of the parameters."""
     analysis = compiled.memory_analysis()
     params = bytes_per_device(abstract_state.params, state_shardings.params)
     opt_state = bytes_per_device(abstract_state.opt_state, state_shardings.opt_state)
@@ -335,7 +347,7 @@ def memory_plan(
         lora = lora_savings(full_model, frozen, 2 * params + opt_state, base_dtype)
     replicated_kv = 0
     if replicated_kv_over > 1:
-        replicated_kv = key_value_bytes_per_device(abstract_state.params, state_shardings.params)
+        replicated_kv = bytes_at(abstract_state.params, state_shardings.params, KEY_VALUE)
     return MemoryPlan(
         mesh={name: int(size) for name, size in mesh.shape.items()},
         micro_batch_size=micro_batch_size,
@@ -362,6 +374,9 @@ def memory_plan(
         lora=lora,
         reference_bytes=reference,
         context=context,
+        expert_bytes=(
+            bytes_at(abstract_state.params, state_shardings.params, EXPERTS) if experts else 0
+        ),
     )
 
 

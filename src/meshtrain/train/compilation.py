@@ -103,6 +103,7 @@ def inspect_compiled(
         ),
         base_dtype=cfg.model.lora.base_dtype,
         context=context_plan(setup),
+        experts=cfg.model.moe.num_experts > 0,
     )
     lines = plan.log_lines(dry_run=cfg.training.dry_run)
     if cfg.training.profile_communication:
