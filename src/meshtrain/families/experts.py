@@ -22,11 +22,14 @@ def moe_from_hf(
         ("mlp_only_layers", []),
         ("router_jitter_noise", 0.0),
         ("shared_expert_intermediate_size", 0),
+        ("scoring_func", "softmax"),
+        ("topk_method", "greedy"),
     ):
         if text.get(key, supported) not in (supported, None):
             raise ConfigError(
-                f"{source}: {key}={text[key]!r} is not supported (every layer a mixture of "
-                f"experts, no shared expert, no router noise: {key}={supported!r})"
+                f"{source}: {key}={text[key]!r} is not supported (meshtrain's experts: every "
+                f"layer a mixture of experts, no shared expert, no router noise, a softmax "
+                f"router's greedy top-k; {key}={supported!r})"
             )
     # transformers 5 writes both families' as num_local_experts; the published Qwen3-MoE files
     # say num_experts (and its config class's default is under that name)
