@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from meshtrain.models.grouped import grouped_matmul
 from meshtrain.models.layers import Projections, normal_param
 from meshtrain.models.lora import AdapterDropout, LoraSpec, add_adapter
 from meshtrain.models.routing import MoeStats, route, routing_stats
@@ -52,7 +53,7 @@ class MoeFeedForward(Projections):
     token, picked by a linear router.
 
     Dropless (capacity_factor None): the N·K assignments sorted by expert, every expert runs on
-    all of its own as one grouped matmul (jax.lax.ragged_dot), no token dropped. Capacity mode:
+    all of its own as one grouped matmul (models.grouped), no token dropped. Capacity mode:
     each expert takes its first C = expert_capacity(...) assignments in token order (first come
     first served, as Switch Transformer; GShard instead serves every token's first pick before
     any second pick) into a fixed [E, C, D] buffer, run as a batched matmul; the assignments past
@@ -321,7 +322,7 @@ class MoeFeedForward(Projections):
         rows = flat[token]  # [M, D]
 
         def matmul(lhs: jax.Array, rhs: jax.Array) -> jax.Array:  # [M, i] · [E_l, i, o]
-            return jax.lax.ragged_dot(lhs, rhs, group_sizes)  # rows past the groups: 0
+            return grouped_matmul(lhs, rhs, group_sizes)  # rows past the groups: 0
 
         def adapter_rows(name: str) -> jax.Array | None:
             inputs = adapter_inputs.get(name)
