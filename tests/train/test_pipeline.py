@@ -218,7 +218,7 @@ def test_the_log_the_plan_and_the_communication_report(runs):
         "of 2 micro-batch(es) alive per stage"
     ) in log
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["mesh"] == {"dp": 1, "pp": 2, "fsdp": 4, "cp": 1, "tp": 1}
+    assert plan["mesh"] == {"dp": 1, "pp": 2, "fsdp": 4, "ep": 1, "cp": 1, "tp": 1}
     assert plan["pipeline"] == {
         "stages": 2,
         "microbatches": 2,
