@@ -72,6 +72,7 @@ def test_the_auxiliary_losses_are_logged_and_added_to_the_loss(one_device, tmp_p
         "[[2,4],[ep,fsdp]]",
         pytest.param("[[2,2,2],[ep,fsdp,tp]]", marks=pytest.mark.slow),
         pytest.param("[[4,2],[ep,tp]]", marks=pytest.mark.slow),
+        pytest.param("[[2,2,2],[ep,cp,fsdp]]", marks=pytest.mark.slow),
     ],
 )
 def test_any_mesh_with_ep_gives_the_losses_of_one_device(one_device, mesh, tmp_path):
@@ -105,6 +106,13 @@ def test_capacity_mode_with_room_for_every_token_is_dropless(one_device, tmp_pat
             "[[2,4],[ep,fsdp]]",
             "ep=2 in model.mesh_shape splits the experts of a mixture of experts, but model "
             "tiny has none (model.moe.num_experts=0); put those devices on dp or fsdp",
+        ),
+        (
+            (*SPECS["qwen3_moe"][1], "model.moe.capacity_factor=1.5"),
+            "[[2,4],[cp,fsdp]]",
+            "model.moe.capacity_factor=1.5 counts each expert's capacity along whole sequences, "
+            "which cp=2 in model.mesh_shape splits; set model.moe.capacity_factor=null (dropless) "
+            "or put those devices on another axis",
         ),
         (
             SPECS["qwen3_moe"][1],

@@ -356,6 +356,13 @@ def check_against_mesh(cfg: Config, mesh: MeshSpec) -> None:
                 f"use a multiple of {per_update}, e.g. {per_update * max(1, training.global_batch_size // per_update)}"
             )
     check_context_parallel(cfg, mesh)
+    require(
+        cfg.model.moe.capacity_factor is None or mesh.sizes["cp"] == 1,
+        f"model.moe.capacity_factor={cfg.model.moe.capacity_factor} counts each expert's "
+        f"capacity along whole sequences, which cp={mesh.sizes['cp']} in model.mesh_shape "
+        "splits; set model.moe.capacity_factor=null (dropless) or put those devices on another "
+        "axis",
+    )
     if mesh.sizes["pp"] > 1:
         require(
             cfg.model.moe.num_experts == 0,
