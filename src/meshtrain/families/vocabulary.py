@@ -193,8 +193,7 @@ PROJECTION_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 index here (models.lora), so the order is fixed."""
 
 DENSE_BLOCK = ATTENTION + GATED_MLP
-BY_NAME = {p.name: p for p in DENSE_BLOCK}
-"""Attention and gated MLP, by name (the layers' own weights)."""
+"""Attention and a gated MLP: the dense families' block."""
 
 
 def block_norms(cfg: ModelConfig) -> tuple[Norm, ...]:

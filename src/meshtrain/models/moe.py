@@ -262,8 +262,8 @@ class MoeFeedForward(Projections):
         that hold their tokens, summed (a reduce-scatter over ep: each pick was computed on
         one device, zeros elsewhere). The gradients take the transposed way."""
         mesh = jax.sharding.get_abstract_mesh()
-        tokens = P(tuple(a for a in token_axes(self.rules) if mesh.shape[a] > 1) or None)
-        experts_only = P(axes)
+        split = tuple(a for a in token_axes(self.rules) if mesh.shape[a] > 1)  # ep among them
+        tokens = P(split)  # [N, ...] over the token shards; an expert weight over ep only
 
         def body(flat, experts, params, adapter_inputs, down_keep):
             gather = functools.partial(jax.lax.all_gather, axis_name=axes, axis=0, tiled=True)
@@ -277,19 +277,15 @@ class MoeFeedForward(Projections):
                 first=first,
             )
             outputs = jax.lax.psum_scatter(outputs, axes, scatter_dimension=0, tiled=True)
-            others = tuple(a for a in mesh.axis_names if a not in axes and a in tokens_of(tokens))
-            return outputs, jax.lax.psum(dropped, (*axes, *others))
+            # each pick counted once: on its expert's device (not again on tp ranks)
+            return outputs, jax.lax.psum(dropped, tuple(dict.fromkeys((*axes, *split))))
 
-        def whole(name: str) -> P:  # an expert weight: split over ep only
-            return experts_only
-
-        params_specs = {name: whole(name) for name in params}
         return jax.shard_map(
             body,
             in_specs=(
                 tokens,
                 tokens,
-                params_specs,
+                {name: P(axes) for name in params},
                 {k: tokens for k in adapter_inputs},
                 None if down_keep is None else tokens,
             ),
@@ -404,8 +400,3 @@ def token_axes(rules: Rules) -> tuple[str, ...]:
     """The mesh axes a layer's tokens [B·T, ...] are split over: the batch's, then the
     sequence's (cp)."""
     return (*mesh_axes_for("batch", rules), *mesh_axes_for("length", rules))
-
-
-def tokens_of(spec: P) -> tuple[str, ...]:
-    entry = spec[0] if len(spec) else None
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
