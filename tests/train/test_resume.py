@@ -94,6 +94,7 @@ REFUSED = {
     "training.seed",
     "training.global_batch_size",
     *(f"model.lora.{k}" for k in ("rank", "alpha", "targets", "base_dtype", "quant_block")),
+    *(f"model.moe.{k}" for k in ("num_experts", "top_k", "expert_dim", "score", "normalize_top_k")),
 }
 IGNORED_PREFIXES = ("checkpoint.", "profile.", "plan.", "experiment.", "distributed.", "logging.")
 IGNORED = {
