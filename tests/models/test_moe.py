@@ -316,6 +316,7 @@ def test_expert_capacity_rounds_up_and_stops_at_the_token_count():
     assert expert_capacity(8.0, 16, 2, 4) == 16
 
 
+@pytest.mark.slow  # 5 s; tests/train/test_moe_training.py trains on ep meshes by default
 def test_the_layer_runs_sharded_on_a_mesh_as_on_one_device():
     """On an fsdp=4 × tp=2 mesh of the faked CPU devices (the expert hidden width over tp), both
     modes, with and without expert adapters, give the one-device output."""
@@ -436,7 +437,11 @@ def test_an_attention_only_spec_adds_no_expert_adapter():
 
 @pytest.mark.parametrize(
     ("capacity_factor", "targets"),
-    [(None, ("gate", "up", "down")), (E / K, ("gate", "up", "down")), (None, ("up", "down"))],
+    [
+        pytest.param(None, ("gate", "up", "down"), marks=pytest.mark.slow),
+        (E / K, ("gate", "up", "down")),
+        (None, ("up", "down")),
+    ],
 )
 def test_expert_adapters_equal_experts_with_merged_weights_and_differentiate_alike(
     capacity_factor, targets
@@ -512,7 +517,7 @@ def test_merged_weight_batches_experts_and_layers_and_keeps_dense_weights():
     _assert_close(merged_weight(w, a, b, 0.5), w + 0.5 * (a @ b.reshape(3, -1)).reshape(D, 2, 5))
 
 
-@pytest.mark.parametrize("capacity_factor", [None, E / K])
+@pytest.mark.parametrize("capacity_factor", [pytest.param(None, marks=pytest.mark.slow), E / K])
 def test_expert_adapter_dropout_is_per_token_deterministic_and_per_sequence(capacity_factor):
     """In training, the adapters' inputs are dropped out as _lora_reference spells out (gate's
     and up's x per token before dispatch; down's hidden per token and pick); the same keys give
@@ -542,7 +547,7 @@ def test_expert_adapter_dropout_is_per_token_deterministic_and_per_sequence(capa
 
 
 @pytest.mark.parametrize("capacity_factor", [None, E / K])
-@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+@pytest.mark.parametrize("fmt", [pytest.param("int8", marks=pytest.mark.slow), "nf4"])
 def test_qlora_experts_read_their_quantised_weights_dequantised(fmt, capacity_factor):
     """QLoRA: gate and up [E, D, F] block-quantised along D, down [E, F, D] along F; the layer
     with adapters gives the output, and the adapters' gradients, of the same layer on the

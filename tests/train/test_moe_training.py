@@ -130,13 +130,8 @@ def test_what_a_mesh_cannot_hold_is_one_line(model, mesh, message):
     assert str(error.value) == message
 
 
-@pytest.mark.parametrize(
-    "mesh",
-    [
-        [[2, 4], ["ep", "fsdp"]],
-        pytest.param([[2, 2, 2], ["ep", "fsdp", "tp"]], marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.slow  # 8 s each
+@pytest.mark.parametrize("mesh", [[[2, 4], ["ep", "fsdp"]], [[2, 2, 2], ["ep", "fsdp", "tp"]]])
 def test_a_mixture_of_experts_gives_one_devices_logits_and_decodes_on_ep(tmp_path, mesh):
     """The tiny Qwen3-MoE checkpoint loaded on an ep mesh: the logits of 2 rows and a greedy
     continuation of one (a decode step of a single row runs its experts unsplit) are one
