@@ -43,7 +43,12 @@ def _vocab_parallel_rules(batch: int, length: int, vocab: int, rules: Any) -> An
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
-    batch_axes = [a for a in mesh_axes_for("batch", rules) if mesh.shape.get(a, 1) > 1]
+    # not ep: the output weight is whole along it, and XLA cannot reshard its gradient from a
+    # vocabulary split over (fsdp, ep) back to d_model over fsdp (it replicates it instead)
+    experts = mesh_axes_for("experts", rules) if "experts" in rules else ()
+    batch_axes = [
+        a for a in mesh_axes_for("batch", rules) if mesh.shape.get(a, 1) > 1 and a not in experts
+    ]
     vocab_axes = [a for a in mesh_axes_for("vocab", rules) if mesh.shape.get(a, 1) > 1]
     split = math.prod(mesh.shape[a] for a in (*batch_axes, *vocab_axes))
     if _batch_shards(batch, rules) == 1 or batch * length >= vocab or vocab % split:
