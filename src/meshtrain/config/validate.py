@@ -267,16 +267,15 @@ def _check_model_flavour(cfg: Config) -> None:
         which = [
             f.name for f in REGISTERED.values() if f.mixture_of_experts != spec.mixture_of_experts
         ]
-        require(
-            False,
+        fix = (
+            "a mixture of experts; set model.moe.num_experts (e.g. 8)"
+            if spec.mixture_of_experts
+            else "a dense MLP; set model.moe.num_experts=0"
+        )
+        raise ConfigError(
             f"model.moe.num_experts={model.moe.num_experts} but model.family={model.family} has "
-            + (
-                "a mixture of experts; set model.moe.num_experts (e.g. 8)"
-                if spec.mixture_of_experts
-                else "a dense MLP; set model.moe.num_experts=0"
-            )
-            + f" or use a family with{'out' if spec.mixture_of_experts else ''} experts: "
-            + ", ".join(which),
+            f"{fix} or use a family with{'out' if spec.mixture_of_experts else ''} experts: "
+            + ", ".join(which)
         )
     pattern = "[" + ",".join(model.attention_pattern) + "]"
     require(

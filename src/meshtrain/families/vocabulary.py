@@ -84,35 +84,22 @@ def _key_value(cfg: ModelConfig) -> int:
 
 
 ATTENTION = (
-    Projection(
-        "q",
-        "attn",
-        "self_attn.q_proj",
-        ("embed", "heads", "head_dim"),
-        1,
-        HEADS_IN,
-        (TRANSPOSE, HEADS_IN),
-        lambda cfg: (cfg.d_model, _query(cfg)),
-    ),
-    Projection(
-        "k",
-        "attn",
-        "self_attn.k_proj",
-        ("embed", "kv_heads", "head_dim"),
-        1,
-        HEADS_IN,
-        (TRANSPOSE, HEADS_IN),
-        lambda cfg: (cfg.d_model, _key_value(cfg)),
-    ),
-    Projection(
-        "v",
-        "attn",
-        "self_attn.v_proj",
-        ("embed", "kv_heads", "head_dim"),
-        1,
-        HEADS_IN,
-        (TRANSPOSE, HEADS_IN),
-        lambda cfg: (cfg.d_model, _key_value(cfg)),
+    *(
+        Projection(
+            name,
+            "attn",
+            f"self_attn.{name}_proj",
+            ("embed", heads, "head_dim"),
+            1,
+            HEADS_IN,
+            (TRANSPOSE, HEADS_IN),
+            lambda cfg, width=width: (cfg.d_model, width(cfg)),
+        )
+        for name, heads, width in (
+            ("q", "heads", _query),
+            ("k", "kv_heads", _key_value),
+            ("v", "kv_heads", _key_value),
+        )
     ),
     Projection(
         "o",

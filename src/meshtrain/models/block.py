@@ -41,32 +41,27 @@ class Block(nnx.Module):
             lora=lora,
         )
         self.mlp_norm = RMSNorm(cfg.d_model, **norm)
+        feed_forward = dict(
+            d_model=cfg.d_model,
+            activation=cfg.mlp_activation,
+            init_std=cfg.init_std,
+            rules=rules,
+            rngs=rngs,
+            lora=lora,
+        )
         if cfg.moe.num_experts > 0:
             moe = cfg.moe
             self.mlp = MoeFeedForward(
-                d_model=cfg.d_model,
                 expert_dim=moe.expert_dim,
                 num_experts=moe.num_experts,
                 top_k=moe.top_k,
                 score=moe.score,
                 normalize_top_k=moe.normalize_top_k,
                 capacity_factor=moe.capacity_factor,
-                activation=cfg.mlp_activation,
-                init_std=cfg.init_std,
-                rules=rules,
-                rngs=rngs,
-                lora=lora,
+                **feed_forward,
             )
         else:
-            self.mlp = GatedMLP(
-                d_model=cfg.d_model,
-                mlp_dim=cfg.mlp_dim,
-                activation=cfg.mlp_activation,
-                init_std=cfg.init_std,
-                rules=rules,
-                rngs=rngs,
-                lora=lora,
-            )
+            self.mlp = GatedMLP(mlp_dim=cfg.mlp_dim, **feed_forward)
         if cfg.post_norms:
             self.attn_post_norm = RMSNorm(cfg.d_model, **norm)
             self.mlp_post_norm = RMSNorm(cfg.d_model, **norm)
