@@ -12,6 +12,7 @@ from flax import nnx
 from meshtrain.config.moe import MoeConfig, check_moe
 from meshtrain.config.schema import DEFAULT_LOGICAL_AXIS_RULES
 from meshtrain.errors import ConfigError
+from meshtrain.models.capacity import expert_capacity
 from meshtrain.models.lora import (
     AdapterDropout,
     LoraSpec,
@@ -20,9 +21,10 @@ from meshtrain.models.lora import (
     row_keys,
     split_adapters,
 )
-from meshtrain.models.moe import MoeFeedForward, expert_capacity
+from meshtrain.models.moe import MoeFeedForward
 from meshtrain.models.quantize import quantize
 from meshtrain.models.routing import combined_aux_loss, routing_stats
+from meshtrain.observe.communication import account_collectives
 from meshtrain.parallel.mesh import build_mesh, parse_mesh_shape
 
 RULES = dict(DEFAULT_LOGICAL_AXIS_RULES) | {"experts": None, "expert_mlp": "tp"}
@@ -331,6 +333,59 @@ def test_the_layer_runs_sharded_on_a_mesh_as_on_one_device():
             y_sharded, stats = apply(params, x)
         _assert_close(y_sharded, y)
         assert (float(stats.dropped) > 0) == (capacity_factor is not None)
+
+
+@pytest.mark.parametrize(
+    ("capacity_factor", "exchange"),
+    [(1.0, {"all-to-all"}), (None, {"all-gather", "reduce-scatter"})],
+)
+def test_on_ep_capacity_mode_exchanges_buffers_all_to_all_and_dropless_gathers(
+    capacity_factor, exchange
+):
+    """8 experts over ep=4 (fsdp=2): the output, the gradients and the dropped picks are one
+    device's, and the tokens travel over ep as the mode says: capacity mode's buffers by
+    all-to-all (and nothing gathered over ep: the buffers it sends hold capacity_factor · N·K/ep
+    rows each), dropless's tokens by all-gather and its outputs back by reduce-scatter."""
+    rules = dict(DEFAULT_LOGICAL_AXIS_RULES)
+    layer = MoeFeedForward(
+        d_model=D,
+        expert_dim=F,
+        num_experts=8,
+        top_k=K,
+        init_std=0.5,
+        rules=rules,
+        rngs=nnx.Rngs(3),
+        activation="silu",
+        capacity_factor=capacity_factor,
+    )
+    apply, params = _apply(layer), _params(layer)
+    x, probe = _inputs(seed=7, shape=(8, 6, D))
+
+    @jax.jit
+    def output_and_grads(params, x):
+        def loss(params, x):
+            y, stats = apply(params, x)
+            return jnp.sum(y * probe), (y, stats.dropped)
+
+        return jax.grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+
+    grads, (y, dropped) = output_and_grads(params, x)
+    mesh = build_mesh(parse_mesh_shape([[4, 2], ["ep", "fsdp"]], 8, platform="cpu"), jax.devices())
+    with jax.set_mesh(mesh):
+        grads_ep, (y_ep, dropped_ep) = output_and_grads(params, x)
+        hlo = output_and_grads.lower(params, x).compile().as_text()
+    _assert_close(y_ep, y)
+    for name in NAMES:
+        _assert_close(grads_ep[0][name], grads[0][name])
+    _assert_close(grads_ep[1], grads[1])
+    assert int(dropped_ep) == int(dropped)
+    assert (int(dropped) > 0) == (capacity_factor is not None)
+    layer_over_ep = {  # the layer's own, the dropped count's sum aside
+        c.kind
+        for c in account_collectives(hlo, mesh).collectives
+        if "shard_map" in c.op_name and "ep" in c.mesh_axes and c.shapes[0].startswith("f32")
+    }
+    assert layer_over_ep == exchange
 
 
 SPEC = LoraSpec(rank=3, scale=1.5, targets=("gate", "up", "down"))

@@ -92,6 +92,19 @@ def test_capacity_mode_with_room_for_every_token_is_dropless(one_device, tmp_pat
     assert [h["moe/dropped"] for h in result.history] == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.slow  # two runs, 12 s
+def test_capacity_mode_drops_the_same_picks_on_ep_as_on_one_device(tmp_path):
+    """capacity_factor = 1: picks drop, the same ones whether the experts are on one device or
+    split over ep=2 (their buffers exchanged by all-to-all), so every logged number agrees."""
+    capacity = (*MOE, "model.moe.capacity_factor=1.0")
+    one = train_tiny(tmp_path / "one", *capacity, devices=1)
+    split = train_tiny(tmp_path / "ep", *capacity, "model.mesh_shape=[[2,4],[ep,fsdp]]")
+    np.testing.assert_allclose(_curves(split), _curves(one), rtol=1e-5)
+    dropped = [h["moe/dropped"] for h in one.history]
+    assert [h["moe/dropped"] for h in split.history] == dropped
+    assert min(dropped) > 0
+
+
 @pytest.mark.parametrize(
     ("model", "mesh", "message"),
     [

@@ -22,7 +22,6 @@ gets one. The base weights may be QLoRA's block-quantised codes, dequantised whe
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +29,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshtrain.models.expert_parallel import expert_axes, expert_parallel, token_shards
+from meshtrain.models.capacity import CapacityRouting, expert_capacity
+from meshtrain.models.expert_parallel import (
+    Exchange,
+    exchanging_buffers,
+    expert_axes,
+    gathering_tokens,
+    token_shards,
+)
 from meshtrain.models.grouped import grouped_matmul
 from meshtrain.models.layers import Projections, normal_param
 from meshtrain.models.lora import AdapterDropout, LoraSpec, add_adapter
@@ -41,23 +47,18 @@ EXPERT_PROJECTIONS = ("gate", "up", "down")
 """The experts' projections, each of which LoRA may target (the router: never)."""
 
 
-def expert_capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:
-    """C = ceil(capacity_factor · tokens · top_k / num_experts), at most `tokens` (a token picks
-    an expert once, so no expert gets more): the assignments one expert takes in capacity mode.
-    The product is rounded to 6 decimals first, so that 1.1 · 100 · 2 / 4 is 55, not 56."""
-    return min(tokens, math.ceil(round(capacity_factor * tokens * top_k / num_experts, 6)))
-
-
 class MoeFeedForward(Projections):
     """Mixture of E gated-MLP experts (each as GatedMLP: down(act(x·gate) * (x·up))), K per
     token, picked by a linear router.
 
     Dropless (capacity_factor None): the N·K assignments sorted by expert, every expert runs on
     all of its own as one grouped matmul (models.grouped), no token dropped. Capacity mode:
-    each expert takes its first C = expert_capacity(...) assignments in token order (first come
-    first served, as Switch Transformer; GShard instead serves every token's first pick before
-    any second pick) into a fixed [E, C, D] buffer, run as a batched matmul; the assignments past
-    C add nothing (the residual carries the token) and are counted. The routing weights are not
+    each expert takes its first C = expert_capacity(...) assignments of each sequence in token
+    order (first come first served, as Switch Transformer; GShard instead serves every token's
+    first pick before any second pick) into fixed buffers [E, S·C, D] (models.capacity), run as
+    a batched matmul; the assignments past C add nothing (the residual carries the token) and
+    are counted. With the experts split over ep, the dropless mode gathers the tokens and the
+    capacity mode exchanges its buffers by all-to-all (models.expert_parallel). The routing weights are not
     renormalised over the assignments kept.
 
     Parameters: router [D, E] ("embed", "experts"); gate, up [E, D, F] ("experts", "embed",
@@ -119,15 +120,21 @@ class MoeFeedForward(Projections):
             logits, top_k=self.top_k, score=self.score, normalize_top_k=self.normalize_top_k
         )
         adapter_inputs, down_keep = self.adapter_inputs(x, dropout)
-        params = self.expert_params(x.dtype)
-        run = functools.partial(self.experts_on, length=length)
+        inputs = (flat, experts, self.expert_params(x.dtype), adapter_inputs, down_keep)
         axes = expert_axes(self.rules)
-        if axes and flat.shape[0] % token_shards(self.rules) == 0:
-            outputs, dropped = expert_parallel(
-                run, axes, self.rules, flat, experts, params, adapter_inputs, down_keep
-            )
+        split = bool(axes) and flat.shape[0] % token_shards(self.rules) == 0
+        dropped = jnp.zeros((), jnp.int32)
+        if self.capacity_factor is not None:
+            if split:
+                outputs, dropped = exchanging_buffers(
+                    functools.partial(self.with_capacity, length=length), axes, self.rules, inputs
+                )
+            else:
+                outputs, dropped = self.with_capacity(*inputs, length=length)
+        elif split:
+            outputs = gathering_tokens(self.dropless_on, axes, self.rules, inputs)
         else:
-            outputs, dropped = run(flat, experts, params, adapter_inputs, down_keep)
+            outputs = self.dropless_on(*inputs)
         # [N, K, D] weighted and summed over the K picks in fp32
         y = jnp.sum(outputs.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
         y = constrain(y.reshape(batch, length, d_model), ("batch", "length", None), self.rules)
@@ -212,7 +219,7 @@ class MoeFeedForward(Projections):
             jax.nn.silu(gate) if self.activation == "silu" else jax.nn.gelu(gate, approximate=True)
         )
 
-    def experts_on(
+    def dropless_on(
         self,
         flat: jax.Array,
         experts: jax.Array,
@@ -220,29 +227,15 @@ class MoeFeedForward(Projections):
         adapter_inputs: dict[str, jax.Array],
         down_keep: jax.Array | None,
         *,
-        length: int,
         first: Any = 0,
-    ) -> tuple[jax.Array, jax.Array]:
+    ) -> jax.Array:
         """The experts params holds (E_l of them, the first numbered `first`) on the picks
-        routed to them: flat [N, D] (whole sequences of `length` tokens), experts [N, K] →
-        (outputs [N, K, D], zero for a pick of another expert or dropped; the picks dropped,
-        int32 []). adapter_inputs, down_keep: see adapter_inputs."""
+        routed to them, dropless: flat [N, D], experts [N, K] → outputs [N, K, D], zero for a
+        pick of another expert. adapter_inputs, down_keep: see adapter_inputs."""
         local = params["gate"].shape[0]
         picks = experts - first
         picks = jnp.where((picks >= 0) & (picks < local), picks, local)  # local: another's
-        if self.capacity_factor is None:
-            outputs = self.dropless(flat, picks, params, adapter_inputs, down_keep)
-            return outputs, jnp.zeros((), jnp.int32)
-        rows = flat.shape[0] // length
-        per_row = jax.vmap(self.with_capacity, in_axes=(0, 0, None, 0, 0))
-        outputs, dropped = per_row(
-            flat.reshape(rows, length, -1),
-            picks.reshape(rows, length, -1),
-            params,
-            {k: v.reshape(rows, length, -1) for k, v in adapter_inputs.items()},
-            None if down_keep is None else down_keep.reshape(rows, length * self.top_k, -1),
-        )
-        return outputs.reshape(*experts.shape, -1), jnp.sum(dropped)
+        return self.dropless(flat, picks, params, adapter_inputs, down_keep)
 
     def dropless(
         self,
@@ -286,46 +279,44 @@ class MoeFeedForward(Projections):
     def with_capacity(
         self,
         flat: jax.Array,
-        picks: jax.Array,
+        experts: jax.Array,
         params: dict[str, jax.Array],
-        adapter_inputs: dict[str, jax.Array] | None = None,
-        down_keep: jax.Array | None = None,
+        adapter_inputs: dict[str, jax.Array],
+        down_keep: jax.Array | None,
+        *,
+        length: int,
+        exchange: Exchange | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        """Each expert of params (E_l) on its first C picks of one sequence, in token order:
-        flat [T, D], picks [T, K] (an expert of params, or E_l for another's) → (outputs
-        [T, K, D], zero for a dropped pick or another's; the picks of its experts dropped,
-        int32 []). C = expert_capacity over the sequence's T tokens and all E experts, so that
-        which picks drop depends on the sequence alone, never on how the batch or the experts
-        are split over devices. adapter_inputs, down_keep: see adapter_inputs."""
-        adapter_inputs = adapter_inputs or {}
-        num_tokens, top_k = picks.shape
-        local = params["gate"].shape[0]
-        capacity = expert_capacity(self.capacity_factor, num_tokens, top_k, self.num_experts)
-        assigned = picks.reshape(-1)  # [M], token-major: token n's picks at n·K ... n·K + K - 1
-        arrivals = jnp.cumsum(jax.nn.one_hot(assigned, local, dtype=jnp.int32), axis=0)
-        mine = assigned < local
-        position = jnp.take_along_axis(arrivals, jnp.minimum(assigned, local - 1)[:, None], 1)
-        position = position[:, 0] - 1  # [M]: the pick's place in its expert's queue
-        slot = jnp.where(mine & (position < capacity), position, capacity)  # capacity: none
-        tokens = jnp.arange(assigned.size) // top_k  # [M]
+        """Each expert on its first C picks of each sequence, in token order: flat [N, D] (whole
+        sequences of `length` tokens), experts [N, K] → (outputs [N, K, D], zero for a dropped
+        pick; the picks dropped, int32 []). C = expert_capacity over a sequence's tokens and all
+        E experts, so which picks drop depends on the sequence alone, never on how the batch or
+        the experts are split over devices. params holds every expert (E_l = E), or, with
+        `exchange`, this device's E/ep: the buffers for every expert [E, S·C, ...] then go to
+        the devices holding them and the outputs come back. adapter_inputs, down_keep: see
+        adapter_inputs."""
+        top_k = self.top_k
+        capacity = expert_capacity(self.capacity_factor, length, top_k, self.num_experts)
+        routing = CapacityRouting.of(
+            experts, length=length, capacity=capacity, num_experts=self.num_experts
+        )
 
-        def dispatch(rows: jax.Array) -> jax.Array:  # [M, i], token-major → [E_l, C, i]
-            buffer = jnp.zeros((local, capacity, rows.shape[-1]), rows.dtype)
-            return buffer.at[assigned, slot].set(rows, mode="drop")
+        def dispatch(rows: jax.Array) -> jax.Array:  # [M, i] → [E_l, X, i]
+            buffer = routing.dispatch(rows)
+            return buffer if exchange is None else exchange.to_experts(buffer)
 
-        def matmul(lhs: jax.Array, rhs: jax.Array) -> jax.Array:  # [E_l, C, i] · [E_l, i, o]
-            return jnp.einsum("ECi,Eio->ECo", lhs, rhs)
+        def matmul(lhs: jax.Array, rhs: jax.Array) -> jax.Array:  # [E_l, X, i] · [E_l, i, o]
+            return jnp.einsum("EXi,Eio->EXo", lhs, rhs)
 
         def adapter_buffer(name: str) -> jax.Array | None:
             inputs = adapter_inputs.get(name)
-            return None if inputs is None else dispatch(inputs[tokens])
+            return None if inputs is None else dispatch(jnp.repeat(inputs, top_k, axis=0))
 
-        buffer = dispatch(flat[tokens])  # [E_l, C, D]
+        buffer = dispatch(jnp.repeat(flat, top_k, axis=0))  # [E_l, X, D]
         hidden = self.act(
             self.expert_projection("gate", matmul, buffer, params, adapter_buffer("gate"))
         ) * self.expert_projection("up", matmul, buffer, params, adapter_buffer("up"))
         kept = None if down_keep is None else hidden * dispatch(down_keep)
-        out = self.expert_projection("down", matmul, hidden, params, kept)  # [E_l, C, D]
-        outputs = out.at[assigned, slot].get(mode="fill", fill_value=0)  # [M, D]
-        dropped = jnp.sum(mine & (position >= capacity), dtype=jnp.int32)
-        return outputs.reshape(num_tokens, top_k, -1), dropped
+        out = self.expert_projection("down", matmul, hidden, params, kept)  # [E_l, X, D]
+        out = out if exchange is None else exchange.back(out)
+        return routing.combine(out).reshape(*experts.shape, -1), routing.dropped
