@@ -20,7 +20,9 @@ from meshtrain.hf.config_json import architecture_from_hf, check_matches
 from meshtrain.models.transformer import parameter_count
 from meshtrain.parallel.mesh import parse_mesh_shape
 
-NAMES = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml") if p.stem != "tiny")
+NAMES = sorted(
+    p.stem for p in (CONFIG_DIR / "model").glob("*.yaml") if not p.stem.startswith("tiny")
+)
 PUBLISHED = HF_CONFIGS
 
 
@@ -58,6 +60,25 @@ def test_parameter_count_equals_transformers_and_the_docs(name):
     cfg = compose_config(f"model={name}").model
     theirs = json.loads((FIXTURES / "parameter_counts.json").read_text())[name]
     assert parameter_count(cfg) == theirs == _documented_counts()[name]
+
+
+def test_tiny_moe_is_the_tiny_model_with_experts_in_place_of_its_mlps():
+    """Every field of `tiny` but the family and the feed-forward: each of its 2 layers trades the
+    dense MLP (3 · 128 · 512) for a router (128 · 8) and 8 experts (3 · 128 · 256 each)."""
+    tiny, moe = compose_config("model=tiny").model, compose_config("model=tiny_moe").model
+    same = {"name", "family", "mlp_dim", "moe"}
+    for field in dataclasses.fields(tiny):
+        if field.name not in same:
+            assert getattr(moe, field.name) == getattr(tiny, field.name), field.name
+    assert (moe.family, moe.moe.num_experts, moe.moe.top_k, moe.moe.expert_dim) == (
+        "mixtral",
+        8,
+        2,
+        256,
+    )
+    per_layer = 128 * 8 + 8 * 3 * 128 * 256 - 3 * 128 * 512
+    assert parameter_count(moe) == parameter_count(tiny) + 2 * per_layer
+    check_config(compose_config("model=tiny_moe", "model.mesh_shape=[[2,4],[ep,fsdp]]"))
 
 
 def test_a_checkpoint_of_another_model_names_the_first_differing_field():
