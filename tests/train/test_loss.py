@@ -3,6 +3,7 @@ whole logits, in fp32, for any chunking; the same on a sharded mesh, where chunk
 reduction of the weight gradient over the batch shards; the model's loss as before."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -136,15 +137,19 @@ def test_the_models_loss_is_the_log_softmax_of_its_logits(tie):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=4e-6)
 
 
-def _sharded_grads(layout, chunk_rows, *, batch=8, length=32, vocab=64):
-    """Loss and gradients on a [4, 2] fsdp × tp mesh, and the compiled program's collectives."""
-    spec = parse_mesh_shape([[4, 2], ["fsdp", "tp"]], 8)
+def _sharded_grads(
+    layout, chunk_rows, *, batch=8, length=32, vocab=64, mesh_shape=((4, 2), ("fsdp", "tp"))
+):
+    """Loss and gradients on a [4, 2] fsdp × tp mesh (or `mesh_shape`), the fsdp bytes of the
+    compiled program's collectives, and its text."""
+    spec = parse_mesh_shape([list(mesh_shape[0]), list(mesh_shape[1])], 8)
     mesh = build_mesh(spec, jax.devices()[:8])
     x, w, targets, mask = _problem(layout, batch=batch, length=length, d=16, vocab=vocab)
     w_spec = P("tp", "fsdp") if layout == "VD" else P("fsdp", "tp")
+    rows = ("dp", "fsdp", "ep")  # the batch's axes
     with jax.set_mesh(mesh):
         x, targets, mask = (
-            jax.device_put(a, NamedSharding(mesh, P("fsdp", *[None] * (a.ndim - 1))))
+            jax.device_put(a, NamedSharding(mesh, P(rows, *[None] * (a.ndim - 1))))
             for a in (x, targets, mask)
         )
         w = jax.device_put(w, NamedSharding(mesh, w_spec))
@@ -163,15 +168,15 @@ def _sharded_grads(layout, chunk_rows, *, batch=8, length=32, vocab=64):
         for c in account_collectives(compiled.as_text(), mesh).collectives
         if "fsdp" in c.mesh_axes
     )
-    return float(loss), jax.device_get(grads), fsdp_bytes
+    return float(loss), jax.device_get(grads), fsdp_bytes, compiled.as_text()
 
 
 @pytest.mark.parametrize("layout", ["DV", "VD"])
 def test_sharded_and_chunked_gradients_reduce_once_over_the_batch(layout):
     x, w, targets, mask = _problem(layout, batch=8, length=32, d=16, vocab=64)
     expected, expected_grads = reference(x, w, targets, mask, layout)
-    whole_loss, whole_grads, whole_bytes = _sharded_grads(layout, chunk_rows=2 * 32)  # 1 chunk
-    loss, grads, chunked_bytes = _sharded_grads(layout, chunk_rows=2 * 8)  # 4 chunks
+    whole_loss, whole_grads, whole_bytes, _ = _sharded_grads(layout, chunk_rows=2 * 32)  # 1 chunk
+    loss, grads, chunked_bytes, _ = _sharded_grads(layout, chunk_rows=2 * 8)  # 4 chunks
     for value, gradients in ((whole_loss, whole_grads), (loss, grads)):
         np.testing.assert_allclose(value, expected, rtol=1e-6)
         for ours, theirs in zip(gradients, expected_grads, strict=True):
@@ -189,7 +194,7 @@ def test_a_vocabulary_larger_than_the_batch_moves_tokens_not_the_weight(layout):
     shape = {"batch": 8, "length": 4, "vocab": 512}
     x, w, targets, mask = _problem(layout, **shape, d=16)
     expected, expected_grads = reference(x, w, targets, mask, layout)
-    loss, grads, fsdp_bytes = _sharded_grads(layout, chunk_rows=64, **shape)
+    loss, grads, fsdp_bytes, _ = _sharded_grads(layout, chunk_rows=64, **shape)
     np.testing.assert_allclose(loss, expected, rtol=1e-6)
     for ours, theirs in zip(grads, expected_grads, strict=True):
         np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
@@ -197,3 +202,23 @@ def test_a_vocabulary_larger_than_the_batch_moves_tokens_not_the_weight(layout):
     # 3/4 · 16 KiB + 2 · 3/4 · 16 KiB = 36 KiB per device; the tokens [32, 16] are 2 KiB.
     weight_bytes = 512 * 16 * 4 / 2
     assert fsdp_bytes < 0.5 * (3 / 4 * weight_bytes * 3)
+
+
+@pytest.mark.parametrize("layout", ["DV", "VD"])
+def test_with_ep_the_vocabulary_splits_over_every_batch_axis(layout):
+    """On [[2,4],[ep,fsdp]] the output weight is whole along ep and the tokens are split over
+    fsdp and ep: each device computes the logits of every token for 512 / 8 = 64 vocabulary
+    rows (not 512 / 4, each pair of ep devices computing the same ones), with the same loss and
+    gradients (the weight gradient gathered over ep, then resharded as without ep)."""
+    shape = {"batch": 8, "length": 4, "vocab": 512}
+    x, w, targets, mask = _problem(layout, **shape, d=16)
+    expected, expected_grads = reference(x, w, targets, mask, layout)
+    loss, grads, _, text = _sharded_grads(
+        layout, chunk_rows=64, mesh_shape=((2, 4), ("ep", "fsdp")), **shape
+    )
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+    for ours, theirs in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+    # the logits' products: [32 tokens, vocabulary rows per device]
+    widths = set(re.findall(r"= f32\[32,(\d+)\]\{[^}]*\} dot\(", text))
+    assert "64" in widths and "128" not in widths, widths

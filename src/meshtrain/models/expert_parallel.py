@@ -1,18 +1,23 @@
-"""Expert parallelism: a mixture of experts' layer with its experts split over the ep mesh axis
-(models.moe.MoeFeedForward), its tokens brought to the devices holding their experts and the
-outputs brought back, in a shard_map manual over every mesh axis. Two ways, by the layer's mode:
+"""A mixture of experts' layer (models.moe.MoeFeedForward) on a mesh whose devices hold
+different tokens: in a shard_map manual over every mesh axis, each device runs the experts on
+its own tokens, with its experts split over the ep mesh axes (expert parallelism) or, without
+ep, every expert whole on every device (their weights gathered, as fsdp gathers a layer's), so
+that nothing of the routing (the sort, the gathers, the buffers) is partitioned by XLA. With ep,
+the tokens go to the devices holding their experts and the outputs come back, by the layer's
+mode:
 
 - capacity mode (exchanging_buffers): each device fills its tokens' buffers for every expert,
   [E, S·C, D] (models.capacity), and one all-to-all over ep sends each device the buffers of its
   own experts, from every device of its ep group; the outputs return by the reverse all-to-all.
-  Each device sends and receives about capacity_factor · N·K/ep rows per device of the group.
+  Each device sends and receives about capacity_factor · N·K rows in all, whatever ep is.
 - dropless (gathering_tokens): how many assignments each device sends each other one is known
   only at run time, and XLA:CPU has no ragged all-to-all to send exactly them, so each device
   gathers the tokens of its ep group (an all-gather over ep), runs its own experts on the
-  assignments routed to them, and the outputs [N, K, D] go back summed (a reduce-scatter).
+  assignments routed to them, weights and sums each token's picks, and the sums go back added
+  over ep (a reduce-scatter of [ep·N, D]).
 
-In both, a device's experts run whole (their weights gathered over the other axes, as fsdp
-gathers a layer's), and the gradients take the transposed way."""
+tp ranks hold the same tokens and compute their experts whole; the gradients take the
+transposed way."""
 
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import PartitionSpec as P
 
+from meshtrain.models.routing import weighted_sum
 from meshtrain.parallel.rules import Rules, mesh_axes_for
 
 Inputs = tuple[jax.Array, jax.Array, dict[str, jax.Array], dict[str, jax.Array], jax.Array | None]
@@ -41,11 +47,11 @@ class Exchange:
 
     def to_experts(self, buffer: jax.Array) -> jax.Array:
         """[E, X, i] → [E/ep, ep·X, i]: rows for this device's experts, by sending device."""
-        return jax.lax.all_to_all(buffer, self.axes, 0, 1, tiled=True)
+        return jax.lax.all_to_all(buffer, self.axes, 0, 1, tiled=True) if self.axes else buffer
 
     def back(self, buffer: jax.Array) -> jax.Array:
         """[E/ep, ep·X, o] → [E, X, o]: every expert's outputs for this device's rows."""
-        return jax.lax.all_to_all(buffer, self.axes, 1, 0, tiled=True)
+        return jax.lax.all_to_all(buffer, self.axes, 1, 0, tiled=True) if self.axes else buffer
 
 
 def exchanging_buffers(
@@ -53,27 +59,38 @@ def exchanging_buffers(
     axes: tuple[str, ...],
     rules: Rules,
     inputs: Inputs,
+    weights: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """`run` (MoeFeedForward.with_capacity) on each device's own tokens, its buffers exchanged
-    over `axes` (ep) by `Exchange` → (outputs [N, K, D], the assignments dropped, int32 [])."""
+    over `axes` (ep) by `Exchange`, the outputs weighted by `weights` [N, K] and summed over
+    the picks → ([N, D] fp32, the assignments dropped, int32 [])."""
     split = _split_axes(rules)
 
-    def body(*inputs):
+    def body(weights, *inputs):
         outputs, dropped = run(*inputs, exchange=Exchange(axes))
-        return outputs, jax.lax.psum(dropped, split)  # each token counted on its shard
+        # each token's dropped picks counted on its own shard
+        return weighted_sum(outputs, weights), jax.lax.psum(dropped, split)
 
-    return _manual(body, axes, split, inputs, out_specs=(P(split), P()))
+    return _manual(body, axes, split, weights, inputs, out_specs=(P(split), P()))
 
 
 def gathering_tokens(
-    run: Callable[..., jax.Array], axes: tuple[str, ...], rules: Rules, inputs: Inputs
+    run: Callable[..., jax.Array],
+    axes: tuple[str, ...],
+    rules: Rules,
+    inputs: Inputs,
+    weights: jax.Array,
 ) -> jax.Array:
     """`run` (MoeFeedForward.dropless_on) on the tokens of each device's ep group, gathered
-    over `axes` (ep), for this device's experts, the outputs summed back over ep (each
-    assignment is computed on one device, zeros elsewhere) → outputs [N, K, D]."""
+    over `axes` (ep), for this device's experts; the outputs weighted by `weights` [N, K] and
+    summed over the picks, then summed back over ep (each assignment is computed on one
+    device, zeros elsewhere) → [N, D] fp32. With no `axes`, each device runs every expert on
+    its own tokens."""
     split = _split_axes(rules)
 
-    def body(flat, experts, params, adapter_inputs, down_keep):
+    def body(weights, flat, experts, params, adapter_inputs, down_keep):
+        if not axes:
+            return weighted_sum(run(flat, experts, params, adapter_inputs, down_keep), weights)
         gather = functools.partial(jax.lax.all_gather, axis_name=axes, axis=0, tiled=True)
         outputs = run(
             gather(flat),
@@ -83,21 +100,29 @@ def gathering_tokens(
             None if down_keep is None else gather(down_keep),
             first=jax.lax.axis_index(axes) * params["gate"].shape[0],
         )
-        return jax.lax.psum_scatter(outputs, axes, scatter_dimension=0, tiled=True)
+        partial = weighted_sum(outputs, gather(weights))  # [ep·N, D]: this device's picks
+        return jax.lax.psum_scatter(partial, axes, scatter_dimension=0, tiled=True)
 
-    return _manual(body, axes, split, inputs, out_specs=P(split))
+    return _manual(body, axes, split, weights, inputs, out_specs=P(split))
 
 
 def _manual(
-    body: Callable, axes: tuple[str, ...], split: tuple[str, ...], inputs: Inputs, *, out_specs
+    body: Callable,
+    axes: tuple[str, ...],
+    split: tuple[str, ...],
+    weights: jax.Array,
+    inputs: Inputs,
+    *,
+    out_specs,
 ):
-    """body on each device's block of inputs, in a shard_map manual over every mesh axis: the
-    token arrays split over `split`, the expert weights over `axes` only."""
+    """body(weights, *inputs) on each device's block of them, in a shard_map manual over every
+    mesh axis: the token arrays split over `split`, the expert weights over `axes` only."""
     flat, experts, params, adapter_inputs, down_keep = inputs
     tokens = P(split)
     return jax.shard_map(
         body,
         in_specs=(
+            tokens,
             tokens,
             tokens,
             {name: P(axes) for name in params},
@@ -107,7 +132,7 @@ def _manual(
         out_specs=out_specs,
         axis_names=set(jax.sharding.get_abstract_mesh().axis_names),
         check_vma=False,
-    )(flat, experts, params, adapter_inputs, down_keep)
+    )(weights, flat, experts, params, adapter_inputs, down_keep)
 
 
 def _split_axes(rules: Rules) -> tuple[str, ...]:
@@ -125,11 +150,11 @@ def expert_axes(rules: Rules) -> tuple[str, ...]:
 
 
 def token_shards(rules: Rules) -> int:
-    """The devices a layer's tokens are split over in the current mesh (the expert-parallel
-    paths run where they divide the tokens; a decode step of fewer rows runs as one program over
-    them)."""
+    """The devices a layer's tokens are split over in the current mesh, 1 without one (the
+    per-device paths run where they divide the tokens; a decode step of fewer rows runs as one
+    program over them)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return math.prod(mesh.shape[a] for a in token_axes(rules))
+    return math.prod(mesh.shape.get(a, 1) for a in token_axes(rules))
 
 
 def token_axes(rules: Rules) -> tuple[str, ...]:

@@ -40,7 +40,7 @@ from meshtrain.models.expert_parallel import (
 from meshtrain.models.grouped import grouped_matmul
 from meshtrain.models.layers import Projections, normal_param
 from meshtrain.models.lora import AdapterDropout, LoraSpec, add_adapter
-from meshtrain.models.routing import MoeStats, route, routing_stats
+from meshtrain.models.routing import MoeStats, route, routing_stats, weighted_sum
 from meshtrain.parallel.rules import Rules, constrain
 
 EXPERT_PROJECTIONS = ("gate", "up", "down")
@@ -121,22 +121,22 @@ class MoeFeedForward(Projections):
         )
         adapter_inputs, down_keep = self.adapter_inputs(x, dropout)
         inputs = (flat, experts, self.expert_params(x.dtype), adapter_inputs, down_keep)
-        axes = expert_axes(self.rules)
-        split = bool(axes) and flat.shape[0] % token_shards(self.rules) == 0
+        axes = expert_axes(self.rules)  # () when the experts are whole on every device
+        shards = token_shards(self.rules)
+        split = shards > 1 and flat.shape[0] % shards == 0  # each device runs its own tokens
         dropped = jnp.zeros((), jnp.int32)
         if self.capacity_factor is not None:
+            run = functools.partial(self.with_capacity, length=length)
             if split:
-                outputs, dropped = exchanging_buffers(
-                    functools.partial(self.with_capacity, length=length), axes, self.rules, inputs
-                )
+                y, dropped = exchanging_buffers(run, axes, self.rules, inputs, weights)
             else:
-                outputs, dropped = self.with_capacity(*inputs, length=length)
+                outputs, dropped = run(*inputs)
+                y = weighted_sum(outputs, weights)
         elif split:
-            outputs = gathering_tokens(self.dropless_on, axes, self.rules, inputs)
+            y = gathering_tokens(self.dropless_on, axes, self.rules, inputs, weights)
         else:
-            outputs = self.dropless_on(*inputs)
-        # [N, K, D] weighted and summed over the K picks in fp32
-        y = jnp.sum(outputs.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
+            y = weighted_sum(self.dropless_on(*inputs), weights)
+        y = y.astype(x.dtype)  # [N, D]: the picks' outputs weighted and summed in fp32
         y = constrain(y.reshape(batch, length, d_model), ("batch", "length", None), self.rules)
         stats = routing_stats(
             logits,

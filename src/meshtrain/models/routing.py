@@ -67,6 +67,12 @@ def route(
     return weights, experts.astype(jnp.int32), scores
 
 
+def weighted_sum(outputs: jax.Array, weights: jax.Array) -> jax.Array:
+    """A token's output: its K picks' expert outputs weighted by their routing weights and
+    summed, in fp32. outputs [N, K, D] (any dtype), weights [N, K] fp32 → [N, D] fp32."""
+    return jnp.einsum("NKD,NK->ND", outputs.astype(jnp.float32), weights)
+
+
 def routing_stats(
     logits: jax.Array,
     scores: jax.Array,

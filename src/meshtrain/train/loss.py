@@ -43,17 +43,22 @@ def _vocab_parallel_rules(batch: int, length: int, vocab: int, rules: Any) -> An
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
-    # not ep: the output weight is whole along it, and XLA cannot reshard its gradient from a
-    # vocabulary split over (fsdp, ep) back to d_model over fsdp (it replicates it instead)
-    experts = mesh_axes_for("experts", rules) if "experts" in rules else ()
-    batch_axes = [
-        a for a in mesh_axes_for("batch", rules) if mesh.shape.get(a, 1) > 1 and a not in experts
-    ]
+    batch_axes = [a for a in mesh_axes_for("batch", rules) if mesh.shape.get(a, 1) > 1]
     vocab_axes = [a for a in mesh_axes_for("vocab", rules) if mesh.shape.get(a, 1) > 1]
     split = math.prod(mesh.shape[a] for a in (*batch_axes, *vocab_axes))
     if _batch_shards(batch, rules) == 1 or batch * length >= vocab or vocab % split:
         return None
     return {**rules, "batch": None, "vocab": [*vocab_axes, *batch_axes]}
+
+
+def _whole_over_experts(vocab_parallel: Any) -> Any:
+    """The vocabulary-parallel rules with the vocabulary no longer split over the experts' axes
+    (ep, the last of the batch axes it is split over), along which the output weight is whole:
+    its gradient is gathered over ep first, then resharded as without ep (XLA, asked to go from
+    a vocabulary split over (fsdp, ep) to d_model over fsdp in one step, replicates it)."""
+    experts = mesh_axes_for("experts", vocab_parallel) if "experts" in vocab_parallel else ()
+    vocab = [a for a in mesh_axes_for("vocab", vocab_parallel) if a not in experts]
+    return {**vocab_parallel, "vocab": vocab}
 
 
 def _sequence_pieces(length: int, rules: Any) -> int:
@@ -189,7 +194,10 @@ def output_cross_entropy(
         dx = jnp.moveaxis(dx, 0, 2).reshape(batch, pieces, padded, -1)[:, :, :local]
         dx = dx.reshape(batch, length, -1)
         dx = constrain(dx, ("batch", "length", None), rules)
-        dweight = constrain(jnp.sum(dweight, axis=0).astype(weight.dtype), weight_axes, rules)
+        dweight = jnp.sum(dweight, axis=0).astype(weight.dtype)
+        if vocab_parallel:
+            dweight = constrain(dweight, gathered_axes, _whole_over_experts(inner))
+        dweight = constrain(dweight, weight_axes, rules)
         return loss, (dx, dweight)
 
     @jax.custom_vjp
