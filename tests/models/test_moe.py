@@ -311,13 +311,6 @@ def test_bf16_input_gives_a_bf16_output_near_the_fp32_one():
         _assert_close(stats16.aux_loss, stats32.aux_loss)
 
 
-def test_expert_capacity_rounds_up_and_stops_at_the_token_count():
-    assert expert_capacity(1.25, 16, 2, 4) == 10
-    assert expert_capacity(1.1, 100, 2, 4) == 55  # 1.1 · 100 · 2 / 4 is 55.00000000000001 in floats
-    assert expert_capacity(1.0, 7, 2, 4) == 4
-    assert expert_capacity(8.0, 16, 2, 4) == 16
-
-
 @pytest.mark.slow  # 5 s; tests/train/test_moe_training.py trains on ep meshes by default
 def test_the_layer_runs_sharded_on_a_mesh_as_on_one_device():
     """On an fsdp=4 × tp=2 mesh of the faked CPU devices (the expert hidden width over tp), both

@@ -57,9 +57,10 @@ class MoeFeedForward(Projections):
     order (first come first served, as Switch Transformer; GShard instead serves every token's
     first pick before any second pick) into fixed buffers [E, S·C, D] (models.capacity), run as
     a batched matmul; the assignments past C add nothing (the residual carries the token) and
-    are counted. With the experts split over ep, the dropless mode gathers the tokens and the
-    capacity mode exchanges its buffers by all-to-all (models.expert_parallel). The routing weights are not
-    renormalised over the assignments kept.
+    are counted. The routing weights are not renormalised over the assignments kept. On a mesh
+    whose devices hold different tokens, the layer runs per device (models.expert_parallel):
+    with the experts split over ep, dropless mode gathers the tokens of the ep group and
+    capacity mode exchanges its buffers by all-to-all.
 
     Parameters: router [D, E] ("embed", "experts"); gate, up [E, D, F] ("experts", "embed",
     "expert_mlp"); down [E, F, D] ("experts", "expert_mlp", "embed"). From transformers'
