@@ -329,35 +329,43 @@ def test_the_layer_runs_sharded_on_a_mesh_as_on_one_device():
 
 
 @pytest.mark.parametrize(
-    ("capacity_factor", "exchange"),
-    [(1.0, {"all-to-all"}), (None, {"all-gather", "reduce-scatter"})],
+    ("capacity_factor", "exchange", "adapters"),
+    [
+        (1.0, {"all-to-all"}, False),
+        (None, {"all-gather", "reduce-scatter"}, False),
+        pytest.param(1.0, {"all-to-all"}, True, marks=pytest.mark.slow),
+    ],
 )
 def test_on_ep_capacity_mode_exchanges_buffers_all_to_all_and_dropless_gathers(
-    capacity_factor, exchange
+    capacity_factor, exchange, adapters
 ):
     """8 experts over ep=4 (fsdp=2): the output, the gradients and the dropped picks are one
     device's, and the tokens travel over ep as the mode says: capacity mode's buffers by
     all-to-all (and nothing gathered over ep: the buffers it sends hold capacity_factor · N·K/ep
-    rows each), dropless's tokens by all-gather and its outputs back by reduce-scatter."""
-    rules = dict(DEFAULT_LOGICAL_AXIS_RULES)
+    rows each), dropless's tokens by all-gather and its outputs back by reduce-scatter. With
+    adapters on every expert projection and their dropout in training, the dropped-out inputs
+    and down's mask travel in buffers of their own, and give one device's numbers too."""
     layer = MoeFeedForward(
         d_model=D,
         expert_dim=F,
         num_experts=8,
         top_k=K,
         init_std=0.5,
-        rules=rules,
+        rules=dict(DEFAULT_LOGICAL_AXIS_RULES),
         rngs=nnx.Rngs(3),
         activation="silu",
         capacity_factor=capacity_factor,
+        lora=LoraSpec(rank=3, scale=1.5, targets=ADAPTED, dropout=0.5) if adapters else None,
     )
-    apply, params = _apply(layer), _params(layer)
+    apply, params = _apply(layer), _with_random_b(layer)
     x, probe = _inputs(seed=7, shape=(8, 6, D))
+    keys = row_keys(jax.random.key(5), jnp.arange(8, dtype=jnp.int32))
+    dropout = AdapterDropout(keys, 1) if adapters else None
 
     @jax.jit
     def output_and_grads(params, x):
         def loss(params, x):
-            y, stats = apply(params, x)
+            y, stats = apply(params, x, None, dropout)
             return jnp.sum(y * probe), (y, stats.dropped)
 
         return jax.grad(loss, argnums=(0, 1), has_aux=True)(params, x)
@@ -368,7 +376,10 @@ def test_on_ep_capacity_mode_exchanges_buffers_all_to_all_and_dropless_gathers(
         grads_ep, (y_ep, dropped_ep) = output_and_grads(params, x)
         hlo = output_and_grads.lower(params, x).compile().as_text()
     _assert_close(y_ep, y)
-    for name in NAMES:
+    assert set(grads[0]) == set(NAMES) | (
+        {f"{n}_lora_{ab}" for n in ADAPTED for ab in "ab"} if adapters else set()
+    )
+    for name in grads[0]:
         _assert_close(grads_ep[0][name], grads[0][name])
     _assert_close(grads_ep[1], grads[1])
     assert int(dropped_ep) == int(dropped)
