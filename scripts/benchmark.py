@@ -110,11 +110,21 @@ def child_main(args: argparse.Namespace) -> None:
         results = [measure(workload, overrides, used, (warmup, timed), reference)]
         if workload == "W5":  # and the dense model of as many active parameters, after it
             dense = measure(
-                "W5-dense", [*OVERRIDES["W5-dense"], *args.override], used, (warmup, timed), False
+                "W5-dense",
+                [*OVERRIDES["W5-dense"], *dense_overrides(args.override)],
+                used,
+                (warmup, timed),
+                False,
             )
             results[0]["dense_ratio"] = dense["step_time_s"] / results[0]["step_time_s"]
             results.append(dense)
     Path(args.child_out).write_text(json.dumps(results))
+
+
+def dense_overrides(overrides: list[str]) -> list[str]:
+    """The overrides W5-dense takes: all but the mixture of experts' (model.moe.*), which a
+    dense model refuses."""
+    return [o for o in overrides if not o.lstrip("+~").startswith("model.moe.")]
 
 
 def describe(result: dict[str, Any]) -> list[str]:
@@ -180,7 +190,11 @@ def main(argv: list[str] | None = None) -> None:
         "--model", action="append", default=[], choices=W4_MODELS, help="W4: default both"
     )
     parser.add_argument(
-        "--override", action="append", default=[], help="extra Hydra override of every workload"
+        "--override",
+        action="append",
+        default=[],
+        help="extra Hydra override of every workload (model.moe.* ones: of W5's MoE only, not of "
+        "W5-dense, e.g. --override model.moe.capacity_factor=1.25)",
     )
     parser.add_argument("--save", type=Path, default=None, help="also write the results here")
     parser.add_argument("--child", choices=WORKLOADS, help=argparse.SUPPRESS)

@@ -66,6 +66,12 @@ def test_w4_needs_a_gpu(tmp_path):
     assert "W4 needs a GPU" in proc.stdout
 
 
+def test_w5_dense_takes_every_override_but_the_mixture_of_experts():
+    bench = load("benchmark")
+    overrides = ["model.moe.capacity_factor=1.25", "+model.moe.x=1", "training.steps=3"]
+    assert bench.dense_overrides(overrides) == ["training.steps=3"]
+
+
 def test_w3_reads_the_step_1_line():
     bench = load("benchmark")
     line = (
