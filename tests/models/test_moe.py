@@ -328,23 +328,32 @@ def test_the_layer_runs_sharded_on_a_mesh_as_on_one_device():
         assert (float(stats.dropped) > 0) == (capacity_factor is not None)
 
 
+EP_FSDP, EP_FSDP_TP = [[4, 2], ["ep", "fsdp"]], [[2, 2, 2], ["ep", "fsdp", "tp"]]
+
+
 @pytest.mark.parametrize(
-    ("capacity_factor", "exchange", "adapters"),
+    ("capacity_factor", "exchange", "adapters", "mesh_shape"),
     [
-        (1.0, {"all-to-all"}, False),
-        (None, {"all-gather", "reduce-scatter"}, False),
-        pytest.param(1.0, {"all-to-all"}, True, marks=pytest.mark.slow),
+        (1.0, {"all-to-all"}, False, EP_FSDP),
+        (None, {"all-gather", "reduce-scatter"}, False, EP_FSDP),
+        pytest.param(1.0, {"all-to-all"}, True, EP_FSDP, marks=pytest.mark.slow),
+        (None, {"all-gather", "reduce-scatter"}, True, EP_FSDP_TP),
+        pytest.param(1.0, {"all-to-all"}, True, EP_FSDP_TP, marks=pytest.mark.slow),
+        pytest.param(None, set(), True, [[4, 2], ["fsdp", "tp"]], marks=pytest.mark.slow),
     ],
 )
 def test_on_ep_capacity_mode_exchanges_buffers_all_to_all_and_dropless_gathers(
-    capacity_factor, exchange, adapters
+    capacity_factor, exchange, adapters, mesh_shape
 ):
     """8 experts over ep=4 (fsdp=2): the output, the gradients and the dropped picks are one
     device's, and the tokens travel over ep as the mode says: capacity mode's buffers by
     all-to-all (and nothing gathered over ep: the buffers it sends hold capacity_factor · N·K/ep
     rows each), dropless's tokens by all-gather and its outputs back by reduce-scatter. With
     adapters on every expert projection and their dropout in training, the dropped-out inputs
-    and down's mask travel in buffers of their own, and give one device's numbers too."""
+    and down's mask travel in buffers of their own, and give one device's numbers too. With tp,
+    each device holds half of every expert's hidden width (and of its adapters' and dropout
+    mask's), and the partial outputs are summed over tp: the same numbers; without ep, each
+    device runs every expert on its own tokens and nothing crosses a mesh axis but tp's sum."""
     layer = MoeFeedForward(
         d_model=D,
         expert_dim=F,
@@ -371,7 +380,7 @@ def test_on_ep_capacity_mode_exchanges_buffers_all_to_all_and_dropless_gathers(
         return jax.grad(loss, argnums=(0, 1), has_aux=True)(params, x)
 
     grads, (y, dropped) = output_and_grads(params, x)
-    mesh = build_mesh(parse_mesh_shape([[4, 2], ["ep", "fsdp"]], 8, platform="cpu"), jax.devices())
+    mesh = build_mesh(parse_mesh_shape(mesh_shape, 8, platform="cpu"), jax.devices())
     with jax.set_mesh(mesh):
         grads_ep, (y_ep, dropped_ep) = output_and_grads(params, x)
         hlo = output_and_grads.lower(params, x).compile().as_text()
@@ -384,12 +393,17 @@ def test_on_ep_capacity_mode_exchanges_buffers_all_to_all_and_dropless_gathers(
     _assert_close(grads_ep[1], grads[1])
     assert int(dropped_ep) == int(dropped)
     assert (int(dropped) > 0) == (capacity_factor is not None)
+    collectives = account_collectives(hlo, mesh).collectives
     layer_over_ep = {  # the layer's own, the dropped count's sum aside
         c.kind
-        for c in account_collectives(hlo, mesh).collectives
+        for c in collectives
         if "shard_map" in c.op_name and "ep" in c.mesh_axes and c.shapes[0].startswith("f32")
     }
     assert layer_over_ep == exchange
+    forward_sums_over_tp = [  # of down's partial outputs (the backward's are the transpose's)
+        c for c in collectives if "tp" in c.mesh_axes and "jvp()/shard_map/psum" in c.op_name
+    ]
+    assert bool(forward_sums_over_tp) == ("tp" in mesh_shape[1])
 
 
 SPEC = LoraSpec(rank=3, scale=1.5, targets=("gate", "up", "down"))

@@ -16,7 +16,10 @@ mode:
   assignments routed to them, weights and sums each token's picks, and the sums go back added
   over ep (a reduce-scatter of [ep·N, D]).
 
-tp ranks hold the same tokens and compute their experts whole; the gradients take the
+Along tp (the mesh axes of the logical axis expert_mlp), each device holds its experts' slice of
+the hidden width F, as the dense MLP's: gate and up [E, D, F/tp] and down [E, F/tp, D] (their
+adapters' F sides too); the tp ranks of a group hold the same tokens, and the partial outputs of
+down are summed over tp once per layer, after the picks' weighted sum. The gradients take the
 transposed way."""
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ Inputs = tuple[jax.Array, jax.Array, dict[str, jax.Array], dict[str, jax.Array],
 """A layer's inputs to its experts: flat [N, D], experts [N, K], the expert weights (and
 adapters) [E, ...], the adapters' inputs [N, D] and down's adapter dropout mask [N·K, F] or
 None (models.moe.MoeFeedForward.adapter_inputs)."""
+
+
+HIDDEN_DIM = {"gate": 2, "up": 2, "down": 1, "gate_lora_b": 2, "up_lora_b": 2, "down_lora_a": 1}
+"""Which dimension of each expert parameter (MoeFeedForward.expert_params) is an expert's hidden
+width F: gate, up [E, D, F], down [E, F, D], gate's and up's B [E, r, F], down's A [E, F, r];
+the others (the A of gate and up [E, D, r], down's B [E, r, D]) have none."""
 
 
 @dataclass(frozen=True)
@@ -64,14 +73,15 @@ def exchanging_buffers(
     """`run` (MoeFeedForward.with_capacity) on each device's own tokens, its buffers exchanged
     over `axes` (ep) by `Exchange`, the outputs weighted by `weights` [N, K] and summed over
     the picks → ([N, D] fp32, the assignments dropped, int32 [])."""
-    split = _split_axes(rules)
+    split, hidden = _split_axes(rules), _hidden_axes(rules)
 
     def body(weights, *inputs):
         outputs, dropped = run(*inputs, exchange=Exchange(axes))
         # each token's dropped picks counted on its own shard
-        return weighted_sum(outputs, weights), jax.lax.psum(dropped, split)
+        y = _sum_partials(weighted_sum(outputs, weights), hidden)
+        return y, jax.lax.psum(dropped, split)
 
-    return _manual(body, axes, split, weights, inputs, out_specs=(P(split), P()))
+    return _manual(body, axes, rules, weights, inputs, out_specs=(P(split), P()))
 
 
 def gathering_tokens(
@@ -86,11 +96,12 @@ def gathering_tokens(
     summed over the picks, then summed back over ep (each assignment is computed on one
     device, zeros elsewhere) → [N, D] fp32. With no `axes`, each device runs every expert on
     its own tokens."""
-    split = _split_axes(rules)
+    split, hidden = _split_axes(rules), _hidden_axes(rules)
 
     def body(weights, flat, experts, params, adapter_inputs, down_keep):
         if not axes:
-            return weighted_sum(run(flat, experts, params, adapter_inputs, down_keep), weights)
+            y = weighted_sum(run(flat, experts, params, adapter_inputs, down_keep), weights)
+            return _sum_partials(y, hidden)
         gather = functools.partial(jax.lax.all_gather, axis_name=axes, axis=0, tiled=True)
         outputs = run(
             gather(flat),
@@ -101,38 +112,57 @@ def gathering_tokens(
             first=jax.lax.axis_index(axes) * params["gate"].shape[0],
         )
         partial = weighted_sum(outputs, gather(weights))  # [ep·N, D]: this device's picks
-        return jax.lax.psum_scatter(partial, axes, scatter_dimension=0, tiled=True)
+        y = jax.lax.psum_scatter(partial, axes, scatter_dimension=0, tiled=True)
+        return _sum_partials(y, hidden)
 
-    return _manual(body, axes, split, weights, inputs, out_specs=P(split))
+    return _manual(body, axes, rules, weights, inputs, out_specs=P(split))
 
 
 def _manual(
     body: Callable,
     axes: tuple[str, ...],
-    split: tuple[str, ...],
+    rules: Rules,
     weights: jax.Array,
     inputs: Inputs,
     *,
     out_specs,
 ):
     """body(weights, *inputs) on each device's block of them, in a shard_map manual over every
-    mesh axis: the token arrays split over `split`, the expert weights over `axes` only."""
+    mesh axis: the token arrays split over the token axes, the expert weights over `axes` and
+    along their hidden width F over the hidden axes (tp), whole along the others."""
     flat, experts, params, adapter_inputs, down_keep = inputs
-    tokens = P(split)
+    tokens, hidden = P(_split_axes(rules)), _hidden_axes(rules) or None
+
+    def expert_spec(name: str, ndim: int) -> P:
+        f = HIDDEN_DIM.get(name)
+        return P(axes, *[hidden if d == f else None for d in range(1, ndim)])
+
     return jax.shard_map(
         body,
         in_specs=(
             tokens,
             tokens,
             tokens,
-            {name: P(axes) for name in params},
+            {name: expert_spec(name, value.ndim) for name, value in params.items()},
             {k: tokens for k in adapter_inputs},
-            None if down_keep is None else tokens,
+            None if down_keep is None else P(*tokens, hidden),  # [N·K, F]
         ),
         out_specs=out_specs,
         axis_names=set(jax.sharding.get_abstract_mesh().axis_names),
         check_vma=False,
     )(weights, flat, experts, params, adapter_inputs, down_keep)
+
+
+def _sum_partials(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """x summed over the mesh axes `axes` (the hidden axes: each device's partial output of
+    down), or x itself without them."""
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def _hidden_axes(rules: Rules) -> tuple[str, ...]:
+    """The mesh axes of size > 1 an expert's hidden width F is split over (tp)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(a for a in mesh_axes_for("expert_mlp", rules) if mesh.shape[a] > 1)
 
 
 def _split_axes(rules: Rules) -> tuple[str, ...]:
