@@ -1,6 +1,6 @@
 """docs/models.md works as written: its bash and python blocks run in order (the walkthrough
 builds on itself), in a scratch directory instead of /tmp/meshtrain-demo, with training runs
-shortened to 3 steps. An error example must exit with code 2 and print the documented line."""
+shortened to 3 steps, on the devices an `XLA_FLAGS=...` prefix fakes (else one). An error example must exit with code 2 and print the documented line."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers.docs import ENTRY, ERROR_PREFIX, RUN_OVERRIDES, fenced_blocks
+from helpers.docs import DEVICE_FLAG, ENTRY, ERROR_PREFIX, RUN_OVERRIDES, fenced_blocks
 from helpers.paths import REPO
 from helpers.process import subprocess_env
 
@@ -43,8 +43,10 @@ def test_the_walkthrough_runs_as_documented(tmp_path):
     steps = _steps()
     assert sum(kind == "bash" for kind, _, _ in steps) >= 7
     demo = str(tmp_path / "demo")
-    for kind, code, error in steps:
-        code = code.replace(DEMO, demo)
+    for index, (kind, code, error) in enumerate(steps):
+        code, devices = code.replace(DEMO, demo), 1
+        if faked := re.match(r"XLA_FLAGS=(\S+) ", code):  # the devices the command fakes
+            devices, code = int(DEVICE_FLAG.search(faked.group(1)).group(1)), code[faked.end() :]
         if kind == "python":
             command = [sys.executable, "-c", code]
         else:
@@ -54,11 +56,16 @@ def test_the_walkthrough_runs_as_documented(tmp_path):
             if any(code.startswith(c) for c in TRAINING_COMMANDS) and error is None:
                 command += [*RUN_OVERRIDES]
             if code.startswith(ENTRY) and "hydra.run.dir=" not in code:
-                command.append(f"hydra.run.dir={tmp_path / 'run'}")
+                command.append(f"hydra.run.dir={tmp_path / f'run{index}'}")  # each its own
             elif code.startswith(TRAINING_COMMANDS[1]):
                 command += ["--run-dir", str(tmp_path / "finetune-run")]
         result = subprocess.run(
-            command, cwd=REPO, env=subprocess_env(1), capture_output=True, text=True, timeout=600
+            command,
+            cwd=REPO,
+            env=subprocess_env(devices),
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         described = (
             f"{code}\nexit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
