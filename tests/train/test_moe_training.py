@@ -161,11 +161,12 @@ def test_a_mixture_of_experts_gives_one_devices_logits_and_decodes_on_ep(tmp_pat
 
 @pytest.mark.slow  # 2 runs, 20 s
 def test_lora_and_qlora_on_the_experts_train_alike_on_ep(tmp_path):
-    """Adapters on the attention and every expert (nf4 base, blocks of 16): ep meshes give one
-    device's losses, gradient norms and auxiliary losses."""
+    """Adapters on the attention and every expert (nf4 base, blocks of 16): a mesh of ep, fsdp
+    and tp (each expert's hidden width, its adapters' and its quantised base's split over tp)
+    gives one device's losses, gradient norms and auxiliary losses."""
     lora = ("model.lora.rank=4", "model.lora.base_dtype=nf4", "model.lora.quant_block=16")
     one = train_tiny(tmp_path / "one", *MOE, *lora, devices=1)
-    split = train_tiny(tmp_path / "ep", *MOE, *lora, "model.mesh_shape=[[2,4],[ep,fsdp]]")
+    split = train_tiny(tmp_path / "ep", *MOE, *lora, "model.mesh_shape=[[2,2,2],[ep,fsdp,tp]]")
     np.testing.assert_allclose(_curves(split), _curves(one), rtol=1e-5)
 
 
