@@ -33,7 +33,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.models.routing import weighted_sum
-from meshtrain.parallel.rules import Rules, mesh_axes_for
+from meshtrain.parallel.rules import Rules, active_axes, mesh_axes_for
 
 Inputs = tuple[jax.Array, jax.Array, dict[str, jax.Array], dict[str, jax.Array], jax.Array | None]
 """A layer's inputs to its experts: flat [N, D], experts [N, K], the expert weights (and
@@ -50,7 +50,8 @@ the others (the A of gate and up [E, D, r], down's B [E, r, D]) have none."""
 @dataclass(frozen=True)
 class Exchange:
     """The all-to-all over the ep axes `axes` between a device's buffers for every expert and
-    its own experts' buffers from every device of its ep group."""
+    its own experts' buffers from every device of its ep group; with no axes (every expert on
+    every device), nothing moves."""
 
     axes: tuple[str, ...]
 
@@ -61,6 +62,10 @@ class Exchange:
     def back(self, buffer: jax.Array) -> jax.Array:
         """[E/ep, ep·X, o] → [E, X, o]: every expert's outputs for this device's rows."""
         return jax.lax.all_to_all(buffer, self.axes, 1, 0, tiled=True) if self.axes else buffer
+
+
+NO_EXCHANGE = Exchange(())
+"""Every expert on every device: the buffers stay where they are."""
 
 
 def exchanging_buffers(
@@ -81,7 +86,7 @@ def exchanging_buffers(
         y = _sum_partials(weighted_sum(outputs, weights), hidden)
         return y, jax.lax.psum(dropped, split)
 
-    return _manual(body, axes, rules, weights, inputs, out_specs=(P(split), P()))
+    return _manual(body, axes, split, hidden, weights, inputs, out_specs=(P(split), P()))
 
 
 def gathering_tokens(
@@ -115,23 +120,24 @@ def gathering_tokens(
         y = jax.lax.psum_scatter(partial, axes, scatter_dimension=0, tiled=True)
         return _sum_partials(y, hidden)
 
-    return _manual(body, axes, rules, weights, inputs, out_specs=P(split))
+    return _manual(body, axes, split, hidden, weights, inputs, out_specs=P(split))
 
 
 def _manual(
     body: Callable,
     axes: tuple[str, ...],
-    rules: Rules,
+    split: tuple[str, ...],
+    hidden: tuple[str, ...],
     weights: jax.Array,
     inputs: Inputs,
     *,
     out_specs,
 ):
     """body(weights, *inputs) on each device's block of them, in a shard_map manual over every
-    mesh axis: the token arrays split over the token axes, the expert weights over `axes` and
-    along their hidden width F over the hidden axes (tp), whole along the others."""
+    mesh axis: the token arrays split over `split` (the token axes), the expert weights over
+    `axes` (ep) and along their hidden width F over `hidden` (tp), whole along the others."""
     flat, experts, params, adapter_inputs, down_keep = inputs
-    tokens, hidden = P(_split_axes(rules)), _hidden_axes(rules) or None
+    tokens, hidden = P(split), hidden or None
 
     def expert_spec(name: str, ndim: int) -> P:
         f = HIDDEN_DIM.get(name)
@@ -161,22 +167,17 @@ def _sum_partials(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 def _hidden_axes(rules: Rules) -> tuple[str, ...]:
     """The mesh axes of size > 1 an expert's hidden width F is split over (tp)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return tuple(a for a in mesh_axes_for("expert_mlp", rules) if mesh.shape[a] > 1)
+    return active_axes(mesh_axes_for("expert_mlp", rules), jax.sharding.get_abstract_mesh().shape)
 
 
 def _split_axes(rules: Rules) -> tuple[str, ...]:
     """The mesh axes of size > 1 a layer's tokens are split over (ep among them)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return tuple(a for a in token_axes(rules) if mesh.shape[a] > 1)
+    return active_axes(token_axes(rules), jax.sharding.get_abstract_mesh().shape)
 
 
 def expert_axes(rules: Rules) -> tuple[str, ...]:
     """The mesh axes of size > 1 the experts are split over in the current mesh (ep), or ()."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return ()
-    return tuple(a for a in mesh_axes_for("experts", rules) if mesh.shape.get(a, 1) > 1)
+    return active_axes(mesh_axes_for("experts", rules), jax.sharding.get_abstract_mesh().shape)
 
 
 def token_shards(rules: Rules) -> int:

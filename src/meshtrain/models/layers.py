@@ -22,7 +22,7 @@ from meshtrain.models.attention import AttentionKernel, WindowOfKind, dot_produc
 from meshtrain.models.context_attention import context_parallel_attention
 from meshtrain.models.lora import AdapterDropout, LoraSpec, adapter_output, add_adapter
 from meshtrain.parallel.context import CONTEXT_AXIS, context_layout, sequence_axes
-from meshtrain.parallel.rules import Rules, constrain, mesh_axes_for, rules_without
+from meshtrain.parallel.rules import Rules, active_axes, constrain, mesh_axes_for, rules_without
 
 
 def normal_param(
@@ -269,7 +269,7 @@ class Attention(Projections):
         """The mesh axes of size > 1 a batch of `batch` rows is split over in the current mesh
         (none where they do not divide it)."""
         mesh = jax.sharding.get_abstract_mesh()
-        axes = tuple(a for a in mesh_axes_for("batch", self.rules) if mesh.shape.get(a, 1) > 1)
+        axes = active_axes(mesh_axes_for("batch", self.rules), mesh.shape)
         return axes if batch % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
     def row_axes(self) -> tuple[str, ...]:

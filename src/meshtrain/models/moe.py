@@ -31,6 +31,7 @@ from flax import nnx
 
 from meshtrain.models.capacity import CapacityRouting, expert_capacity
 from meshtrain.models.expert_parallel import (
+    NO_EXCHANGE,
     Exchange,
     exchanging_buffers,
     expert_axes,
@@ -243,14 +244,13 @@ class MoeFeedForward(Projections):
         flat: jax.Array,
         picks: jax.Array,
         params: dict[str, jax.Array],
-        adapter_inputs: dict[str, jax.Array] | None = None,
-        down_keep: jax.Array | None = None,
+        adapter_inputs: dict[str, jax.Array],
+        down_keep: jax.Array | None,
     ) -> jax.Array:
         """Every expert of params (E_l) on every pick routed to it: flat [N, D], picks [N, K]
         (an expert of params, or E_l for another's) → outputs [N, K, D], the output of the k-th
         pick of each token (unweighted; zero for another's). adapter_inputs, down_keep: see
         adapter_inputs."""
-        adapter_inputs = adapter_inputs or {}
         num_tokens, top_k = picks.shape
         local = params["gate"].shape[0]
         assigned = picks.reshape(-1)  # [M], token-major
@@ -286,15 +286,15 @@ class MoeFeedForward(Projections):
         down_keep: jax.Array | None,
         *,
         length: int,
-        exchange: Exchange | None = None,
+        exchange: Exchange = NO_EXCHANGE,
     ) -> tuple[jax.Array, jax.Array]:
         """Each expert on its first C picks of each sequence, in token order: flat [N, D] (whole
         sequences of `length` tokens), experts [N, K] → (outputs [N, K, D], zero for a dropped
         pick; the picks dropped, int32 []). C = expert_capacity over a sequence's tokens and all
         E experts, so which picks drop depends on the sequence alone, never on how the batch or
-        the experts are split over devices. params holds every expert (E_l = E), or, with
-        `exchange`, this device's E/ep: the buffers for every expert [E, S·C, ...] then go to
-        the devices holding them and the outputs come back. adapter_inputs, down_keep: see
+        the experts are split over devices. params holds every expert (E_l = E, no exchange),
+        or, with an `exchange` over ep, this device's E/ep: the buffers for every expert
+        [E, S·C, ...] then go to the devices holding them and the outputs come back. adapter_inputs, down_keep: see
         adapter_inputs."""
         top_k = self.top_k
         capacity = expert_capacity(self.capacity_factor, length, top_k, self.num_experts)
@@ -303,8 +303,7 @@ class MoeFeedForward(Projections):
         )
 
         def dispatch(rows: jax.Array) -> jax.Array:  # [M, i] → [E_l, X, i]
-            buffer = routing.dispatch(rows)
-            return buffer if exchange is None else exchange.to_experts(buffer)
+            return exchange.to_experts(routing.dispatch(rows))
 
         def matmul(lhs: jax.Array, rhs: jax.Array) -> jax.Array:  # [E_l, X, i] · [E_l, i, o]
             return jnp.einsum("EXi,Eio->EXo", lhs, rhs)
@@ -319,5 +318,4 @@ class MoeFeedForward(Projections):
         ) * self.expert_projection("up", matmul, buffer, params, adapter_buffer("up"))
         kept = None if down_keep is None else hidden * dispatch(down_keep)
         out = self.expert_projection("down", matmul, hidden, params, kept)  # [E_l, X, D]
-        out = out if exchange is None else exchange.back(out)
-        return routing.combine(out).reshape(*experts.shape, -1), routing.dropped
+        return routing.combine(exchange.back(out)).reshape(*experts.shape, -1), routing.dropped

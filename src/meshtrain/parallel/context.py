@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.rules import Rules, constrain, mesh_axes_for
+from meshtrain.parallel.rules import Rules, active_axes, constrain, mesh_axes_for
 
 CONTEXT_AXIS = "cp"
 
@@ -113,7 +113,7 @@ def check_context_length(length: int, shards: int) -> None:
 
 def sequence_axes(mesh_shape: Mapping[str, int], rules: Rules) -> tuple[str, ...]:
     """The mesh axes of size > 1 that split sequences (the `length` rule's: cp by default)."""
-    return tuple(a for a in mesh_axes_for("length", rules) if mesh_shape.get(a, 1) > 1)
+    return active_axes(mesh_axes_for("length", rules), mesh_shape)
 
 
 def sequence_shards(mesh_shape: Mapping[str, int], rules: Rules) -> int:

@@ -29,6 +29,12 @@ def check_rules(rules: Rules) -> None:
                 )
 
 
+def active_axes(axes: Sequence[str], mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
+    """Those of the mesh axes `axes` that split anything in a mesh of `mesh_shape`: size > 1
+    (an axis the mesh lacks has size 1)."""
+    return tuple(a for a in axes if mesh_shape.get(a, 1) > 1)
+
+
 def mesh_axes_for(logical: str | None, rules: Rules) -> tuple[str, ...]:
     """The mesh axes a logical axis is sharded over (empty: replicated)."""
     if logical is None:

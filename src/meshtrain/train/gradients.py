@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshtrain.config.schema import ReduceDtype, TrainingConfig
-from meshtrain.parallel.rules import Rules, mesh_axes_for, without_axes
+from meshtrain.parallel.rules import Rules, active_axes, mesh_axes_for, without_axes
 
 REDUCE_DTYPES: dict[ReduceDtype, jnp.dtype] = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 REPLICA_AXES = ("dp",)  # batch axes that hold whole replicas: reduced once per update
@@ -72,9 +72,9 @@ class GradientSync:
 def gradient_sync(training: TrainingConfig, mesh: jax.sharding.Mesh, rules: Rules) -> GradientSync:
     """The reduction plan of a run: which batch axes (of size > 1) are reduced explicitly."""
     reduce_dtype = REDUCE_DTYPES[training.reduce_dtype]
-    batch_axes = [a for a in mesh_axes_for("batch", rules) if mesh.shape.get(a, 1) > 1]
+    batch_axes = active_axes(mesh_axes_for("batch", rules), mesh.shape)
     if mesh.shape.get("pp", 1) > 1:  # the pipeline's shard_map is not vmapped: implicit path
-        batch_axes = []
+        batch_axes = ()
     replicas = tuple(a for a in batch_axes if a in REPLICA_AXES)
     shards = tuple(a for a in batch_axes if a not in REPLICA_AXES)
     explicit_shards = training.sync_gradients_every > 1 or reduce_dtype != jnp.float32

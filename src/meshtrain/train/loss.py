@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.parallel.context import sequence_shards
-from meshtrain.parallel.rules import constrain, mesh_axes_for
+from meshtrain.parallel.rules import active_axes, constrain, mesh_axes_for
 
 # Tokens per device in one chunk of the fused output projection + cross-entropy: the fp32
 # logits of a chunk are [rows, V] (W1, V=32000: 64 MB), never those of the whole batch.
@@ -43,8 +43,8 @@ def _vocab_parallel_rules(batch: int, length: int, vocab: int, rules: Any) -> An
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
-    batch_axes = [a for a in mesh_axes_for("batch", rules) if mesh.shape.get(a, 1) > 1]
-    vocab_axes = [a for a in mesh_axes_for("vocab", rules) if mesh.shape.get(a, 1) > 1]
+    batch_axes = active_axes(mesh_axes_for("batch", rules), mesh.shape)
+    vocab_axes = active_axes(mesh_axes_for("vocab", rules), mesh.shape)
     split = math.prod(mesh.shape[a] for a in (*batch_axes, *vocab_axes))
     if _batch_shards(batch, rules) == 1 or batch * length >= vocab or vocab % split:
         return None
