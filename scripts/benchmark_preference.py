@@ -2,16 +2,18 @@
 (docs/performance.md#preference-optimisation-against-trl).
 
     python scripts/benchmark_preference.py [--modes two-model precomputed lora] [--steps 10]
-        [--warmup 3] [--hidden 256] [--layers 4] [--seq-len 255] [--rows 8] [--json OUT]
+        [--warmup 3] [--hidden 256] [--layers 4] [--seq-len 255] [--rows 8] [--unshared-prompt]
+        [--json OUT]
 
 The model: a Qwen 3 (QK-norm, GQA, SwiGLU, tied embeddings) of --hidden width and --layers
 layers with random weights, written with transformers' save_pretrained; the Qwen 3 chat
 tokenizer of tests/fixtures/chat/qwen3 (512 ids). The pairs: 256 addition prompts with a
 right and a wrong answer, each with a sentence around it, rendered by the chat template (about
-85 tokens a sequence, 170 a pair). Both sides: about 8 pairs a step (trl: 8, each batch padded to
-its longest sequence; meshtrain: --rows rows of --seq-len + 1 tokens with pairs packed whole,
-about one to a row of 256), sigmoid DPO with beta 0.1, AdamW at a
-constant learning rate, fp32 on the CPU, 2 threads.
+85 tokens a sequence, 170 a pair with the prompt twice). Both sides: about 8 pairs a step (trl: 8,
+each batch padded to its longest sequence; meshtrain: --rows rows of --seq-len + 1 tokens with
+pairs packed whole, the prompt once a pair (about 127 tokens, 1.5 pairs to a row of 256; with
+--unshared-prompt twice, as trl, about one pair to a row)), sigmoid DPO with beta 0.1, AdamW at
+a constant learning rate, fp32 on the CPU, 2 threads.
 
 Modes: two-model (full weights; the reference is a frozen copy of the starting weights: trl's
 ref_model, meshtrain's objective.reference=initial), precomputed (the same reference, its
@@ -158,6 +160,7 @@ def meshtrain_child(args: argparse.Namespace) -> dict:
         "objective=dpo",
         f"objective.beta={BETA}",
         f"training.global_batch_size={args.rows}",
+        f"data.shared_prompt={not args.unshared_prompt}",
     ]
     if args.mode == "lora":
         overrides += [f"model.lora.rank={LORA['rank']}", f"model.lora.alpha={LORA['alpha']}"]
@@ -230,6 +233,7 @@ def run_child(side: str, mode: str, args: argparse.Namespace) -> dict:
     command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     command += ["--hidden", str(args.hidden), "--layers", str(args.layers)]
     command += ["--seq-len", str(args.seq_len), "--rows", str(args.rows)]
+    command += ["--unshared-prompt"] if args.unshared_prompt else []
     return run_in_child(command, Path(args.work) / f"{side}-{mode}.json")
 
 
@@ -246,8 +250,8 @@ def run_in_child(command: list[str], out: Path) -> dict:
 
 
 def mean_pair_tokens(work: Path, seq_len: int) -> float:
-    """The pairs' mean length in tokens (both sequences, the prompt twice), as meshtrain stores
-    them."""
+    """The pairs' mean length in tokens, both sequences with the prompt twice, as trl feeds them
+    (data.shared_prompt=false)."""
     sys.path.insert(0, str(REPO / "src"))
     from meshtrain.data.chat.records import preference_options_for
     from meshtrain.data.corpus_cache import tokenised_corpus
@@ -258,6 +262,7 @@ def mean_pair_tokens(work: Path, seq_len: int) -> float:
         prompt_key="prompt",
         chosen_key="chosen",
         rejected_key="rejected",
+        shared_prompt=False,
     )
     corpus = tokenised_corpus(
         [work / "pairs.jsonl"],
@@ -282,6 +287,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=255, help="meshtrain's rows: + 1 tokens")
     parser.add_argument(
         "--rows", type=int, default=8, help="meshtrain's rows per step (a row of 256: ~1 pair)"
+    )
+    parser.add_argument(
+        "--unshared-prompt",
+        action="store_true",
+        help="meshtrain stores each pair as prompt + chosen, prompt + rejected (data.shared_prompt=false)",
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--child", choices=["meshtrain", "trl"], help=argparse.SUPPRESS)

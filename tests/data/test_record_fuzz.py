@@ -99,6 +99,7 @@ def _options(layout: str) -> dict:
         prompt_key="prompt",
         chosen_key="chosen",
         rejected_key="rejected",
+        shared_prompt=True,
     )
 
 

@@ -25,7 +25,7 @@ from meshtrain.checkpoint.writes import TEST_KILL_ENV
 from meshtrain.config.objective import ObjectiveConfig
 from meshtrain.config.schema import DEFAULT_LOGICAL_AXIS_RULES
 from meshtrain.config.validate import check_config
-from meshtrain.data.chat.marks import DOCUMENT_START, NOT_TRAINED
+from meshtrain.data.chat.marks import BRANCH_START, DOCUMENT_START, NOT_TRAINED
 from meshtrain.errors import ConfigError
 from meshtrain.train.loss import target_log_probs
 from meshtrain.train.objectives import Preference, StepInputs
@@ -105,32 +105,47 @@ ROWS = [[(3, 4, 2), (2, 1, 5)], [(4, 3, 3)]]
 LENGTH = 33  # seq_len + 1
 
 
-def _packed_rows(rng):
-    """Flagged rows [2, LENGTH] of ROWS' pairs, and each pair's two sequences unpacked."""
+def _packed_rows(rng, shared_prompt: bool):
+    """Flagged rows [2, LENGTH] of ROWS' pairs (data.shared_prompt's layout: the prompt once,
+    then a branch per answer opening with the prompt's last token; or prompt + answer twice), and
+    each pair's two sequences unpacked."""
     rows, sequences = [], []
     for row in ROWS:
         tokens = []
         for prompt, chosen, rejected in row:
             shared = rng.integers(1, 300, prompt)
             pair = []
+            if shared_prompt:
+                tokens.append(shared[:-1] | NOT_TRAINED)
+                tokens[-1][0] |= DOCUMENT_START
             for answer in (chosen, rejected):
                 ids = np.concatenate([shared, rng.integers(1, 300, answer)]).astype(np.int32)
                 marks = np.where(np.arange(len(ids)) < prompt, NOT_TRAINED, 0)
-                marks[0] |= DOCUMENT_START
+                if shared_prompt:
+                    ids, marks = ids[prompt - 1 :], marks[prompt - 1 :]
+                    marks[0] |= BRANCH_START
+                else:
+                    marks[0] |= DOCUMENT_START
                 tokens.append(ids | marks)
-                pair.append((ids, prompt))
+                pair.append((np.concatenate([shared, ids[1:]]) if shared_prompt else ids, prompt))
             sequences.append(pair)
         row = np.concatenate(tokens)
         rows.append(np.concatenate([row, np.full(LENGTH - len(row), NOT_TRAINED, np.int32)]))
     return jnp.asarray(np.stack(rows), jnp.int32), sequences
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-@pytest.mark.slow
-def test_packed_pairs_give_the_loss_and_gradients_of_each_sequence_alone(loss_type):
+@pytest.mark.parametrize(
+    ("loss_type", "shared_prompt"),
+    [
+        ("sigmoid", True),
+        pytest.param("ipo", True, marks=pytest.mark.slow),
+        pytest.param("sigmoid", False, marks=pytest.mark.slow),
+    ],
+)
+def test_packed_pairs_give_the_loss_and_gradients_of_each_sequence_alone(loss_type, shared_prompt):
     policy = tiny_policy()
     params, reference = policy.params, policy.reference
-    rows, sequences = _packed_rows(np.random.default_rng(0))
+    rows, sequences = _packed_rows(np.random.default_rng(0), shared_prompt)
     objective_cfg = ObjectiveConfig(name="dpo", loss_type=loss_type, beta=0.2)
     objective = Preference(StepInputs(FLAGGED, jnp.float32), objective_cfg)
     sums, grads = jax.jit(objective.loss_and_grads(policy.model))(params, rows, reference)
@@ -265,6 +280,18 @@ def test_more_meshes_and_splits(mesh, accumulation, global_batch, tmp_path):
         (
             ("objective.name=ppo",),
             "objective.name='ppo' is not supported; use one of: lm, dpo, grpo",
+        ),
+        (
+            (
+                "objective=dpo",
+                "data=preference",
+                "model.attention_pattern=[local,global]",
+                "model.sliding_window=64",
+                "data.seq_len=128",
+            ),
+            "data.shared_prompt=true packs a pair's rejected answer after its chosen one, so its "
+            "prompt can lie beyond model.sliding_window=64 in sequences of data.seq_len=128: set "
+            "data.shared_prompt=false (the prompt once per answer), or data.seq_len<=64",
         ),
     ],
 )

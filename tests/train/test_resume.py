@@ -77,6 +77,7 @@ REFUSED = {
             "on_bad_record",
             "chosen_key",
             "rejected_key",
+            "shared_prompt",
         ]
     ),
     *(

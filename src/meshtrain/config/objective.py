@@ -4,9 +4,12 @@ keys and their start-up check (docs/preference.md, docs/rl.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from meshtrain.errors import require
+
+if TYPE_CHECKING:  # the schema imports this module
+    from meshtrain.config.schema import DataConfig, ModelConfig
 
 ObjectiveName = Literal["lm", "dpo", "grpo"]
 """objective.name: lm (the next-token loss: pretraining, SFT), dpo (preference pairs) or grpo
@@ -237,4 +240,24 @@ def _check_grpo(cfg: ObjectiveConfig, *, data_source: str) -> None:
         cfg.scale_rewards in scalings,
         f"objective.scale_rewards={cfg.scale_rewards!r} is not supported; use one of: "
         f"{', '.join(scalings)}",
+    )
+
+
+def check_shared_prompt(model: ModelConfig, data: DataConfig) -> None:
+    """A pair's rejected answer sits after its chosen one in the sequence (data.shared_prompt):
+    attention must reach across the chosen answer to the prompt, which a sliding window shorter
+    than the sequence would cut."""
+    if (
+        data.source != "preference"
+        or not data.shared_prompt
+        or "local" not in model.attention_pattern
+    ):
+        return
+    window = model.sliding_window
+    require(
+        window is None or window >= data.seq_len,
+        f"data.shared_prompt=true packs a pair's rejected answer after its chosen one, so its "
+        f"prompt can lie beyond model.sliding_window={window} in sequences of data.seq_len="
+        f"{data.seq_len}: set data.shared_prompt=false (the prompt once per answer), or "
+        f"data.seq_len<={window}",
     )

@@ -70,6 +70,7 @@ REFUSED = (
     "data.completion_key",
     "data.chosen_key",
     "data.rejected_key",
+    "data.shared_prompt",  # the pairs' layout in the packed sequences
     "data.chat_template",
     "data.train_on",
     "data.overlong",

@@ -1,9 +1,8 @@
 """Typed configuration schemas: every key of a run, its type, default and meaning.
 
 Every field has a type, a default and a one-line docstring (the string literal under it). The
-YAML files in configs/ fill these schemas and state only what differs from them
-(`tests/config/test_schema.py` checks that every YAML key exists here). Start-up validation lives in
-`meshtrain.config.validate`; the Hydra glue in `meshtrain.config.hydra`.
+YAML files in configs/ state only what differs (tests/config/test_schema.py checks each YAML key
+exists here). Start-up validation: `meshtrain.config.validate`; Hydra glue: `meshtrain.config.hydra`.
 
 A field with a fixed set of values names its `Literal` type below; validation reads the allowed
 values from it, and the code that implements each value keys its table by the same type.
@@ -52,11 +51,11 @@ sample completions from (objective=grpo)."""
 BadRecordPolicy = Literal["error", "skip"]
 """data.on_bad_record."""
 DataVerify = Literal["quick", "full"]
-# data.train_on (chat data): the tokens that carry loss.
-TrainOn = Literal["assistant", "completion", "all"]
-# data.overlong (chat data): a conversation longer than data.seq_len + 1 tokens.
-Overlong = Literal["truncate", "drop", "error"]
 """data.verify: how opening a prepared directory checks its token files (meshtrain.data.integrity)."""
+TrainOn = Literal["assistant", "completion", "all"]
+"""data.train_on (chat data): the tokens that carry loss."""
+Overlong = Literal["truncate", "drop", "error"]
+"""data.overlong (chat data): a conversation longer than data.seq_len + 1 tokens."""
 ClusterDetection = Literal["slurm", "ompi", "mpi4py", "gcetpu", "gketpu"]
 """distributed.cluster_detection."""
 
@@ -217,6 +216,8 @@ class DataConfig:
     """preference: the field or column of the preferred answer (a string, or a list of messages; without prompt_key, a whole conversation)."""
     rejected_key: str = "rejected"
     """preference: the field or column of the answer not preferred, in the form of chosen_key."""
+    shared_prompt: bool = True
+    """preference: a pair is packed as its prompt once, then each answer, which sees the prompt and not the other answer (the same log-probabilities as prompt + answer, in fewer tokens); false: prompt + chosen, then prompt + rejected, as trl feeds them. Needs attention over the whole sequence (no sliding window shorter than data.seq_len)."""
     chat_template: str | None = None
     """chat, preference and prompts: a .jinja file rendering conversations; null: the tokenizer's own (tokenizer_config.json or chat_template.jinja)."""
     train_on: str | None = None  # TrainOn

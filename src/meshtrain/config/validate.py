@@ -14,7 +14,7 @@ from meshtrain.config.evaluation import check_eval
 from meshtrain.config.lora import check_lora
 from meshtrain.config.model_mesh import check_model_on_mesh
 from meshtrain.config.moe import check_moe
-from meshtrain.config.objective import check_objective
+from meshtrain.config.objective import check_objective, check_shared_prompt
 from meshtrain.config.pipeline import check_pipeline
 from meshtrain.config.resume import check_allow_changes
 from meshtrain.config.schema import (
@@ -139,6 +139,7 @@ def check_config(cfg: Config) -> None:
     check_objective(
         cfg.objective, data_source=cfg.data.source, document_masking=cfg.data.document_masking
     )
+    check_shared_prompt(model, data)
     for key in (
         "vocab_size",
         "d_model",

@@ -17,7 +17,7 @@ once per model and compute dtype, with the reason:
 Every kernel computes the same masks: causal (a query sees keys at or before it), an optional
 sliding window (query t sees keys s with t - window < s ≤ t, Hugging Face's convention) and
 optional segment ids (int32 [B, T]: a query sees only keys of its own segment, so packed
-documents do not attend to each other). Keys and values may have fewer heads than the queries
+documents do not attend to each other; see `same_document` for a segment's branches). Keys and values may have fewer heads than the queries
 (grouped-query attention, K = 1 included): query head n reads key/value head n // (N / K).
 Masked keys get probability exactly 0 in every kernel.
 """
@@ -51,6 +51,28 @@ MIN_CHUNK_QUERIES = 64
 CHUNK_GROUPS = 4
 
 
+# A segment id's bits from BRANCH_SHIFT up number its token's branch within the document: 0 for
+# the document's shared start, 1, 2... for branches that each see that start and themselves, not
+# one another (a pair's two answers after their prompt, written once: train.documents). Text and
+# chat data have branch 0 everywhere, where same_document is plain equality of segment ids.
+BRANCH_SHIFT = 24
+DOCUMENT_BITS = (1 << BRANCH_SHIFT) - 1
+
+
+def with_branches(segment_ids: jax.Array, branches: jax.Array) -> jax.Array:
+    """Segment ids int32 [B, T] (documents counted from 1, below 2**24) and each token's branch
+    int32 [B, T] (0: the document's shared start) as one segment id per token."""
+    return segment_ids | (branches << BRANCH_SHIFT)
+
+
+def same_document(query_segments: jax.Array, key_segments: jax.Array) -> jax.Array:
+    """bool [B, 1, T, S]: whether query t may see key s by their segment ids int32 [B, T],
+    [B, S]: same segment, or the key in its document's shared start (branch 0)."""
+    queries, keys = query_segments[:, None, :, None], key_segments[:, None, None, :]
+    shared_start = ((keys >> BRANCH_SHIFT) == 0) & ((queries & DOCUMENT_BITS) == keys)
+    return (queries == keys) | shared_start
+
+
 @dataclass(frozen=True)
 class WindowOfKind:
     """The sliding window of a layer whose kind is traced (a scan over stacked layers of
@@ -79,7 +101,7 @@ def attention_mask(
     mask = mask[None, None]  # [1, 1, T, S]
     if segment_ids is not None:
         keys = segment_ids if key_segment_ids is None else key_segment_ids
-        mask = mask & (segment_ids[:, None, :, None] == keys[:, None, None, :])
+        mask = mask & same_document(segment_ids, keys)
     return mask
 
 
@@ -252,7 +274,7 @@ def _cudnn(q, k, v, *, scale, window, segment_ids):
     # come as a boolean mask, which jax turns into a bias.
     mask = None
     if segment_ids is not None:
-        mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+        mask = same_document(segment_ids, segment_ids)
     return jax.nn.dot_product_attention(
         q,
         k,

@@ -11,6 +11,11 @@ target is trained across a conversation's start.
 Either way the step derives this from the tokens on the device: the batch stays one int32
 array, and no masks or segment ids are stored or moved. A document that continues from the
 previous sequence forms the first segment, with positions from 0.
+
+A chat document may have branches (marks.BRANCH_START: a preference pair stored as its prompt
+once, then each answer, meshtrain.data.chat.pairs): each branch sees the document's tokens
+before its first branch and itself (models.attention.same_document), and its positions continue
+from that shared start, as if it followed it alone.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.config.schema import DataConfig
-from meshtrain.data.chat.marks import DOCUMENT_START, ID_BITS, NOT_TRAINED
+from meshtrain.data.chat.marks import BRANCH_START, DOCUMENT_START, ID_BITS, NOT_TRAINED
 from meshtrain.data.chat.records import MARKED_SOURCES
 from meshtrain.data.tokenizer import NO_TOKEN, build_tokenizer
+from meshtrain.models.attention import with_branches
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,22 @@ def segments_from_starts(starts: jax.Array) -> tuple[jax.Array, jax.Array]:
     index = jnp.broadcast_to(jnp.arange(starts.shape[1], dtype=jnp.int32), starts.shape)
     first = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)  # each token's document start
     return segment_ids, index - first
+
+
+def branched_segments(starts: jax.Array, branch_starts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(segment_ids, positions), int32 [B, T] each, from bool [B, T]: where documents and where
+    their branches start (see the module docstring). A segment id carries its token's branch
+    (models.attention.with_branches); a branch's positions skip the earlier branches of its
+    document."""
+    segment_ids, positions = segments_from_starts(starts)
+    index = jnp.broadcast_to(jnp.arange(starts.shape[1], dtype=jnp.int32), starts.shape)
+    count = jnp.cumsum(branch_starts, axis=1, dtype=jnp.int32)  # branches started in the row
+    before = jax.lax.cummax(jnp.where(starts, count - branch_starts, 0), axis=1)
+    branch = count - before  # 0: the document's shared start, then 1, 2...
+    latest = jax.lax.cummax(jnp.where(branch_starts, index, 0), axis=1)  # this branch's start
+    first = jax.lax.cummax(jnp.where(branch_starts & (branch == 1), index, 0), axis=1)
+    skipped = jnp.where(branch > 1, latest - first, 0)  # the tokens of the earlier branches
+    return with_branches(segment_ids, branch), positions - skipped
 
 
 @dataclass(frozen=True)
@@ -81,7 +103,9 @@ class TokenFormat:
         # one packed before it (data.train_on=all would train it), as trl's padding-free
         # collator masks it.
         mask = mask * (~starts[:, 1:]).astype(jnp.float32)
-        return ids[:, :-1], ids[:, 1:], mask, *segments_from_starts(starts[:, :-1])
+        branch_starts = (tokens[:, :-1] & BRANCH_START) != 0
+        segments = branched_segments(starts[:, :-1], branch_starts)
+        return ids[:, :-1], ids[:, 1:], mask, *segments
 
 
 def document_boundaries(data: DataConfig) -> DocumentBoundaries | None:

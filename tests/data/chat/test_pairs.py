@@ -1,6 +1,7 @@
 """Preference records → pairs of sequences (meshtrain.data.chat.pairs), as trl's DPOTrainer
 tokenizes them: the prompt's tokens shared, the answers trained, the pair stored as one unit
-(chosen, then rejected with DOCUMENT_START) and packed whole; every bad record is one line."""
+(the prompt once and two branches, or chosen then rejected with DOCUMENT_START) and packed
+whole; every bad record is one line."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from helpers.paths import REPO
 
 from meshtrain.data.chat.encoder import build_chat_encoder
-from meshtrain.data.chat.marks import DOCUMENT_START, ID_BITS, NOT_TRAINED
+from meshtrain.data.chat.marks import BRANCH_START, DOCUMENT_START, ID_BITS, NOT_TRAINED
 from meshtrain.data.chat.packing import PackedConversations, truncated_pair
 from meshtrain.data.chat.pairs import (
     PairEncoder,
@@ -57,7 +58,7 @@ def test_a_conversational_pair_is_the_template_rendering_of_prompt_and_answer(qw
 
 def test_the_stored_unit_marks_the_prompts_and_the_rejected_start(qwen3):
     pair = qwen3.encode({"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED})
-    unit = pair.flagged()
+    unit = pair.flagged(shared_prompt=False)
     n, p = len(pair.chosen), pair.prompt_length
     assert unit.dtype == np.uint32 and len(unit) == n + len(pair.rejected)
     np.testing.assert_array_equal(unit & ID_BITS, np.concatenate([pair.chosen, pair.rejected]))
@@ -66,7 +67,24 @@ def test_the_stored_unit_marks_the_prompts_and_the_rejected_start(qwen3):
         i >= p for i in range(len(pair.rejected))
     ]
     assert np.flatnonzero(unit & DOCUMENT_START).tolist() == [n]  # the packer marks the first
-    assert pair_bounds(unit | np.uint32(DOCUMENT_START) * (np.arange(len(unit)) == 0)) == n
+    assert not (unit & BRANCH_START).any()
+    assert pair_bounds(unit | np.uint32(DOCUMENT_START) * (np.arange(len(unit)) == 0)) == (0, n)
+
+
+def test_the_shared_unit_holds_the_prompt_once_and_each_answer_after_its_last_token(qwen3):
+    pair = qwen3.encode({"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED})
+    unit = pair.flagged(shared_prompt=True)
+    n, m, p = len(pair.chosen), len(pair.rejected), pair.prompt_length
+    assert (p, n, m) == (19, 28, 35)  # the fixture's Qwen 3 rendering
+    assert len(unit) == n + m - (p - 1)  # the prompt's first p - 1 tokens once
+    ids = unit & ID_BITS
+    np.testing.assert_array_equal(ids[:n], pair.chosen)  # the prompt, then the chosen branch
+    np.testing.assert_array_equal(ids[n:], pair.rejected[p - 1 :])  # its last token, the answer
+    assert np.flatnonzero(unit & BRANCH_START).tolist() == [p - 1, n]
+    assert not (unit & DOCUMENT_START).any()
+    trained = ((unit & NOT_TRAINED) == 0).tolist()
+    assert trained == [i >= p for i in range(n)] + [False] + [True] * (m - p)
+    assert pair_bounds(unit) == (p - 1, n)
 
 
 def test_plain_strings_are_tokenized_with_specials_and_end_in_eos():
@@ -105,11 +123,13 @@ def test_the_keys_are_configurable(qwen3):
         prompt_key="question",
         chosen_key="good",
         rejected_key="bad",
+        shared_prompt=True,
     )
     assert record_keys(options) == ("question", "good", "bad")
     convert = flagged_ids(str(FIXTURES / "qwen3"), options)
     np.testing.assert_array_equal(
-        convert({"question": PROMPT, "good": CHOSEN, "bad": REJECTED}), pair.flagged()
+        convert({"question": PROMPT, "good": CHOSEN, "bad": REJECTED}),
+        pair.flagged(shared_prompt=True),
     )
 
 
@@ -166,7 +186,20 @@ def test_a_long_pair_is_cut_at_the_end_of_each_sequence():
     assert (short & ID_BITS).tolist() == [*range(8), *range(100, 106)]
 
 
-def test_pairs_pack_whole_into_sequences(tmp_path):
+def test_a_long_shared_pair_keeps_its_prompt_and_cuts_each_answer():
+    prompt = np.arange(4, dtype=np.uint32)
+    chosen, rejected = np.arange(10, 20, dtype=np.uint32), np.arange(100, 104, dtype=np.uint32)
+    chosen[0] |= BRANCH_START
+    rejected[0] |= BRANCH_START
+    unit = np.concatenate([prompt, chosen, rejected])
+    cut = truncated_pair(unit, 12)  # 8 places for 10 + 4 answer tokens: the chosen keeps 4
+    assert (cut & ID_BITS).tolist() == [*range(4), *range(10, 14), *range(100, 104)]
+    assert np.flatnonzero(cut & BRANCH_START).tolist() == [4, 8]
+    assert (truncated_pair(unit, 3) & ID_BITS).tolist() == [0, 1, 2]  # the prompt alone
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "not-shared"])
+def test_pairs_pack_whole_into_sequences(tmp_path, shared):
     """A prepared corpus of pairs packs each pair into one sequence, never split between two."""
     from meshtrain.data.chat.records import preference_options_for as options_for
     from meshtrain.data.corpus_cache import tokenised_corpus
@@ -188,6 +221,7 @@ def test_pairs_pack_whole_into_sequences(tmp_path):
         prompt_key="prompt",
         chosen_key="chosen",
         rejected_key="rejected",
+        shared_prompt=shared,
     )
     corpus = tokenised_corpus(
         [path],
@@ -209,16 +243,19 @@ def test_pairs_pack_whole_into_sequences(tmp_path):
         overlong="error",
         pairs=True,
     )
-    starts = [np.flatnonzero(packed[i] & DOCUMENT_START) for i in range(len(packed))]
-    assert sum(len(s) for s in starts) == 24  # every pair's two sequences, whole
-    assert all(len(s) % 2 == 0 for s in starts)  # no pair split between two sequences
+    rows = [packed[i] for i in range(len(packed))]
+    starts = [len(np.flatnonzero(row & DOCUMENT_START)) for row in rows]
+    branches = [len(np.flatnonzero(row & BRANCH_START)) for row in rows]
+    if shared:  # a pair is one document of two branches
+        assert sum(starts) == 12 and branches == [2 * n for n in starts]
+    else:  # every pair's two sequences, whole, in one row
+        assert sum(starts) == 24 and all(n % 2 == 0 for n in starts) and sum(branches) == 0
     assert (packed.overlong, packed.answers_lost) == (0, 0)
-    # Cut: each sequence keeps its start; a pair whose cut reaches into an answer's prompt
-    # half leaves that answer nothing to train (the prompt is never trained).
+    # Cut: each answer keeps its start; a pair whose cut reaches into the prompt leaves its
+    # answers nothing to train (the prompt is never trained).
     unit = corpus.read(0, 0, int(corpus.lengths[0]))
-    chosen = unit[: pair_bounds(unit)]
-    prompt = 1 + int(np.flatnonzero((chosen[1:] & NOT_TRAINED) == 0)[0])  # first answer token
-    for width, lost in ((len(unit) - 1, 0), (2 * prompt, 12)):
+    prompt = 1 + int(np.flatnonzero((unit[1:] & NOT_TRAINED) == 0)[0])  # first answer token
+    for width, lost in ((len(unit) - 1, 0), (prompt + 1 if shared else 2 * prompt, 12)):
         cut = PackedConversations(
             [(corpus, np.arange(12))],
             seq_len=width - 1,

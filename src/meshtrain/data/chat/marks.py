@@ -7,12 +7,17 @@ its ids are the tokenizer's, and the step reads them as before.
 
     bit 30  NOT_TRAINED     as a target, this token carries no loss (prompt, template, padding)
     bit 29  DOCUMENT_START  a packed conversation starts at this token (document masking)
-    bits 0-28               the token id (vocabularies up to 2**29 = 536,870,912 ids)
+    bit 28  BRANCH_START    a branch of the document starts at this token: the tokens from here
+                            to the next branch see the document's tokens before its first branch
+                            and their own, not another branch's (a pair's answers after their
+                            shared prompt, meshtrain.data.chat.pairs)
+    bits 0-27               the token id (vocabularies up to 2**28 = 268,435,456 ids)
 """
 
 from __future__ import annotations
 
 NOT_TRAINED = 1 << 30
 DOCUMENT_START = 1 << 29
-ID_BITS = DOCUMENT_START - 1
-MAX_VOCAB = DOCUMENT_START
+BRANCH_START = 1 << 28
+ID_BITS = BRANCH_START - 1
+MAX_VOCAB = BRANCH_START

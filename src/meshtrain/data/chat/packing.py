@@ -13,10 +13,10 @@ tokens past the cut are lost), left out (drop) or a one-line error (error); the 
 for a pair, an answer without one), which then teach nothing. Nothing is materialised: memory
 holds a few arrays per conversation.
 
-With `pairs` (preference data), each stored unit is a pair, chosen then rejected
-(meshtrain.data.chat.pairs), packed whole like a conversation; a pair longer than a window is
-truncated by cutting the end of each sequence, the longer one first, so that both keep their
-start (the shared prompt and as much of each answer as fits).
+With `pairs` (preference data), each stored unit is a pair (meshtrain.data.chat.pairs: its prompt
+and two answers), packed whole like a conversation; a pair longer than a window is truncated by
+cutting the end of each answer, the longer one first, so that both keep their start (the prompt
+and as much of each answer as fits).
 """
 
 from __future__ import annotations
@@ -127,14 +127,17 @@ def _trains(unit: np.ndarray, pairs: bool) -> bool:
     trained[0] = False  # a unit's first token is predicted from nothing of it
     if not pairs:
         return bool(trained.any())
-    split = pair_bounds(unit)
-    return bool(trained[:split].any() and trained[split + 1 :].any())
+    chosen, rejected = pair_bounds(unit)
+    return bool(trained[chosen:rejected].any() and trained[rejected + 1 :].any())
 
 
 def truncated_pair(unit: np.ndarray, width: int) -> np.ndarray:
-    """A stored pair (chosen then rejected) cut to `width` tokens: the longer sequence's end is
-    cut first, then both evenly, each keeping its start (the rejected one its DOCUMENT_START)."""
-    split = pair_bounds(unit)
-    chosen, rejected = unit[:split], unit[split:]
-    keep_chosen = min(len(chosen), max(width // 2, width - len(rejected)))
-    return np.concatenate([chosen[:keep_chosen], rejected[: width - keep_chosen]])
+    """A stored pair cut to `width` tokens: the longer answer's end is cut first, then both
+    evenly, each keeping its start (its branch or document start) after the prompt (shared)."""
+    chosen, rejected = pair_bounds(unit)
+    prompt, answers = unit[:chosen], (unit[chosen:rejected], unit[rejected:])
+    room = width - len(prompt)
+    if room <= 0:
+        return unit[:width]  # the prompt alone fills the window: nothing left to train
+    keep_chosen = min(len(answers[0]), max(room // 2, room - len(answers[1])))
+    return np.concatenate([prompt, answers[0][:keep_chosen], answers[1][: room - keep_chosen]])

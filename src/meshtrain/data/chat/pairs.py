@@ -17,11 +17,20 @@ differ (the same point for both answers: the shorter of the two common prefixes)
 tokens of the two sequences are the same. The answer tokens carry the loss, the prompt's carry
 data.chat.marks' NOT_TRAINED.
 
-The pair is stored as one unit: the chosen sequence, then the rejected one, whose first token
-carries DOCUMENT_START. Packing keeps a unit whole in one sequence (meshtrain.data.chat.packing),
-so the two answers of a pair are always in one micro-batch and on one device, and the objective
-(meshtrain.train.objectives.preference) finds each pair from the document starts: in a packed
-sequence, documents 1 and 2 are the first pair's chosen and rejected, 3 and 4 the second's...
+The pair is stored as one unit, in one of two layouts (data.shared_prompt):
+
+- shared (the default): the prompt once, then two branches (data.chat.marks' BRANCH_START on the
+  first token of each), the chosen answer's and the rejected one's, each opening with the
+  prompt's last token (whose output predicts the answer's first). The step reads each branch as
+  seeing the prompt and itself, not the other, at the positions it has after the prompt
+  (meshtrain.train.documents), so each answer's log-probabilities are those of prompt + answer,
+  and the prompt's tokens are computed once: a pair takes its prompt's length fewer tokens.
+- not shared: the chosen sequence, then the rejected one, whose first token carries
+  DOCUMENT_START: two documents, as trl's DPOTrainer feeds them.
+
+Packing keeps a unit whole in one sequence (meshtrain.data.chat.packing), so the two answers of
+a pair are always in one micro-batch and on one device, and the objective
+(meshtrain.train.objectives.preference) finds each pair from the document and branch starts.
 
 Errors are one-line DataErrors without a file or line, which the caller prefixes.
 """
@@ -35,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from meshtrain.data.chat.encoder import ChatEncoder, checked_messages
-from meshtrain.data.chat.marks import DOCUMENT_START, NOT_TRAINED
+from meshtrain.data.chat.marks import BRANCH_START, DOCUMENT_START, NOT_TRAINED
 from meshtrain.errors import DataError
 
 
@@ -54,12 +63,23 @@ class EncodedPair:
     rejected: np.ndarray  # int32 [m]: prompt + rejected answer
     prompt_length: int  # tokens of the shared prompt at the start of both
 
-    def flagged(self) -> np.ndarray:
-        """uint32 [n + m]: the unit a prepared corpus stores (see the module docstring)."""
-        ids = np.concatenate([self.chosen, self.rejected]).astype(np.uint32)
-        positions = np.concatenate([np.arange(len(self.chosen)), np.arange(len(self.rejected))])
+    def flagged(self, *, shared_prompt: bool) -> np.ndarray:
+        """uint32 [tokens]: the unit a prepared corpus stores, in the layout of `shared_prompt`
+        (see the module docstring)."""
+        if not shared_prompt:
+            ids = np.concatenate([self.chosen, self.rejected]).astype(np.uint32)
+            positions = np.concatenate([np.arange(len(self.chosen)), np.arange(len(self.rejected))])
+            ids[positions < self.prompt_length] |= NOT_TRAINED
+            ids[len(self.chosen)] |= DOCUMENT_START
+            return ids
+        start = max(self.prompt_length - 1, 0)  # the prompt's last token opens each branch
+        branches = [self.chosen[start:], self.rejected[start:]]
+        ids = np.concatenate([self.chosen[:start], *branches]).astype(np.uint32)
+        positions = np.concatenate(
+            [np.arange(start), *(start + np.arange(len(b)) for b in branches)]
+        )
         ids[positions < self.prompt_length] |= NOT_TRAINED
-        ids[len(self.chosen)] |= DOCUMENT_START
+        ids[[start, start + len(branches[0])]] |= BRANCH_START
         return ids
 
 
@@ -169,7 +189,12 @@ class PairEncoder:
         )
 
 
-def pair_bounds(unit: np.ndarray) -> int:
-    """Where the rejected sequence of a stored unit (EncodedPair.flagged) starts."""
-    starts = np.flatnonzero(unit[1:] & DOCUMENT_START)
-    return int(starts[0]) + 1
+def pair_bounds(unit: np.ndarray) -> tuple[int, int]:
+    """(where the chosen part starts, where the rejected part starts) in a stored unit
+    (EncodedPair.flagged): its two branch starts, or, not shared, 0 and its second document's
+    start; the unit's length for a part a truncation left out."""
+    starts = np.flatnonzero(unit & BRANCH_START)
+    if not len(starts):
+        starts = np.concatenate([[0], np.flatnonzero(unit[1:] & DOCUMENT_START) + 1])
+    chosen, rejected = [*starts[:2].tolist(), len(unit), len(unit)][:2]
+    return chosen, rejected

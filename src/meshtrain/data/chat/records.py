@@ -41,6 +41,7 @@ def chat_options(data: DataConfig) -> dict[str, Any] | None:
             prompt_key=data.prompt_key,
             chosen_key=data.chosen_key,
             rejected_key=data.rejected_key,
+            shared_prompt=data.shared_prompt,
         )
     if data.source != "chat":
         return None
@@ -80,6 +81,7 @@ def preference_options_for(
     prompt_key: str,
     chosen_key: str,
     rejected_key: str,
+    shared_prompt: bool,
 ) -> dict[str, Any]:
     """The options of preference data (data.source=preference)."""
     return {
@@ -87,6 +89,7 @@ def preference_options_for(
         "prompt_key": prompt_key,
         "chosen_key": chosen_key,
         "rejected_key": rejected_key,
+        "shared_prompt": shared_prompt,
         **_template_options(tokenizer, chat_template),
     }
 
@@ -121,8 +124,8 @@ def flagged_ids(tokenizer: str, options: dict[str, Any]) -> Callable[[dict], np.
         if key not in _ENCODERS:
             _ENCODERS[key] = build_chat_encoder(tokenizer, options["chat_template"])
         keys = PreferenceKeys(*record_keys(options))
-        pairs = PairEncoder(_ENCODERS[key], keys)
-        return lambda record: pairs.encode(record).flagged()
+        pairs, shared = PairEncoder(_ENCODERS[key], keys), options["shared_prompt"]
+        return lambda record: pairs.encode(record).flagged(shared_prompt=shared)
     if key not in _ENCODERS:
         _ENCODERS[key] = build_chat_encoder(
             tokenizer,

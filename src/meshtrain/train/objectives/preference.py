@@ -1,9 +1,9 @@
 """Preference optimisation on pairs of answers (objective=dpo; docs/preference.md): DPO and its
 kin, with trl's DPOTrainer's definitions and metric names.
 
-A batch row packs whole pairs (meshtrain.data.chat.pairs): its documents 1, 2 are the first pair's
-chosen and rejected sequences, 3, 4 the second's, and so on; the targets that carry loss are the
-answers' tokens. For each sequence, its log-probability under the policy is the sum of its answer
+A batch row packs whole pairs (meshtrain.data.chat.pairs): each a document whose branches 1 and 2
+are the chosen and rejected answers after the prompt (data.shared_prompt), or two documents,
+prompt + chosen then prompt + rejected; the targets that carry loss are the answers' tokens. For each sequence, its log-probability under the policy is the sum of its answer
 tokens' log-probabilities (logps/chosen, logps/rejected), and under the reference likewise.
 With Δ = (logp_c − ref_c) − (logp_r − ref_r) and β = objective.beta, per pair:
 
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from meshtrain.config.objective import ObjectiveConfig, precomputed_reference, reads_reference
 from meshtrain.models.abstract import AbstractModel
+from meshtrain.models.attention import BRANCH_SHIFT, DOCUMENT_BITS
 from meshtrain.models.lora import AdapterDropout
 from meshtrain.train.gradients import Sums
 from meshtrain.train.objectives.base import Objective, StepInputs
@@ -82,12 +83,21 @@ def pair_loss(
     return -(1 - smoothing) * clean - smoothing * flipped  # sigmoid
 
 
-def sequence_sums(values: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """values fp32 [B, T] summed per document of each row: [B, T + 1], column s the sum over
-    the tokens of segment s (segments count from 1; at most T in a row)."""
+def answer_sequences(segment_ids: jax.Array) -> jax.Array:
+    """int32 [B, T]: each token's sequence among its row's pairs, 2p - 1 for the p-th pair's
+    chosen answer and 2p for its rejected one, from segment ids int32 [B, T]: a pair's branches 1
+    and 2 (shared prompt), or its two documents. A shared prompt's tokens (branch 0) land on the
+    pair's document number; they carry no loss, so every sum over them is 0."""
+    document, branch = segment_ids & DOCUMENT_BITS, segment_ids >> BRANCH_SHIFT
+    return jnp.where(branch > 0, 2 * document - 2 + branch, document)
+
+
+def sequence_sums(values: jax.Array, sequences: jax.Array) -> jax.Array:
+    """values fp32 [B, T] summed per sequence of each row: [B, T + 1], column s the sum over
+    the tokens of sequence s (sequences count from 1; at most T in a row)."""
     batch, length = values.shape
     rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, length))
-    return jnp.zeros((batch, length + 1), values.dtype).at[rows, segment_ids].add(values)
+    return jnp.zeros((batch, length + 1), values.dtype).at[rows, sequences].add(values)
 
 
 class Preference(Objective):
@@ -118,7 +128,7 @@ class Preference(Objective):
         if self.precomputed:
             rows, ref_log_probs = split_reference_scores(rows)
         policy = policy_scores(self.inputs, model, params, frozen, rows, dropout)
-        mask, segment_ids = policy.mask, policy.segment_ids
+        mask, sequences = policy.mask, answer_sequences(policy.segment_ids)
         if self.reads_reference:
             ref_log_probs = reference_log_probs(self.inputs, model, params, frozen, policy)
         elif ref_log_probs is None:
@@ -127,7 +137,7 @@ class Preference(Objective):
         def pairs(per_token: jax.Array) -> tuple[jax.Array, jax.Array]:
             """[B, T] → the chosen and rejected sequences' sums over their answer tokens, each
             [B · P] (P = T // 2 + 1 pairs a row can hold at most)."""
-            per_sequence = sequence_sums(per_token * mask, segment_ids)  # [B, T + 1]
+            per_sequence = sequence_sums(per_token * mask, sequences)  # [B, T + 1]
             chosen, rejected = per_sequence[:, 1::2], per_sequence[:, 2::2]
             count = rejected.shape[1]
             return chosen[:, :count].reshape(-1), rejected.reshape(-1)
@@ -158,7 +168,7 @@ class Preference(Objective):
             _padded(d_chosen.reshape(mask.shape[0], -1), per_sequence[:, 1::2].shape[1])
         )
         per_sequence = per_sequence.at[:, 2::2].set(d_rejected.reshape(mask.shape[0], -1))
-        coefficients = jnp.take_along_axis(per_sequence, segment_ids, axis=1) * mask
+        coefficients = jnp.take_along_axis(per_sequence, sequences, axis=1) * mask
         loss = policy.loss_with_gradient(loss, coefficients)
         sums = {"loss": loss, "count": jnp.sum(valid, dtype=jnp.float32)} | self._metric_sums(
             chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, valid
