@@ -4,6 +4,7 @@ from dataclasses import asdict
 
 import pytest
 
+from meshtrain.config.data import MixtureSource
 from meshtrain.config.resume import (
     ALLOWED,
     IGNORED,
@@ -14,7 +15,7 @@ from meshtrain.config.resume import (
     key_class,
     refusal,
 )
-from meshtrain.config.schema import Config, MixtureSource
+from meshtrain.config.schema import Config
 from meshtrain.errors import ConfigError
 
 

@@ -3,7 +3,8 @@ relative to the data's directory, so a moved copy keeps it and an edit in place 
 
 import shutil
 
-from meshtrain.config.schema import DataConfig, MixtureSource
+from meshtrain.config.data import MixtureSource
+from meshtrain.config.schema import DataConfig
 from meshtrain.data.identity import data_identity, describe_change
 from meshtrain.data.prepare import prepare
 

@@ -18,7 +18,8 @@ from helpers.config import compose_config
 from helpers.paths import REPO
 
 from meshtrain.config import DataConfig
-from meshtrain.config.schema import DataVerify, choices
+from meshtrain.config.data import DataVerify
+from meshtrain.config.schema import choices
 from meshtrain.config.validate import check_config
 from meshtrain.data import build_dataset
 from meshtrain.data.integrity import VERIFY_MODES, sample_offsets

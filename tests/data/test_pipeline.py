@@ -12,7 +12,7 @@ import pytest
 from helpers.tiny_tokenizers import train_bpe
 
 from meshtrain.config import DataConfig
-from meshtrain.config.schema import MixtureSource
+from meshtrain.config.data import MixtureSource
 from meshtrain.data import (
     BatchIterator,
     ByteTokenizer,

@@ -33,7 +33,7 @@ def test_finetuning_doc_commands_run_in_order(tmp_path):
     assert len(outputs) == 11
     out = tmp_path / "outputs"
     log = (out / "chat" / "train.log").read_text()
-    assert "data: 264 training sequences (chat; document masking on)" in log
+    assert "data: 230 training sequences (chat; document masking on)" in log
     assert committed_steps(out / "chat" / "checkpoints") == [400, 500, 600]  # keep=3
     answers = [outputs[1].strip().splitlines()[-1], outputs[3].strip().splitlines()[-1]]
     assert answers[0] == answers[1] and answers[0].isdigit()  # the export answers the same

@@ -15,8 +15,9 @@ from helpers.short_training import SHORT_TEXT
 from helpers.tiny_tokenizers import train_bpe
 
 from meshtrain.checkpoint import read_meta
+from meshtrain.config.data import MixtureSource
 from meshtrain.config.resume import flatten
-from meshtrain.config.schema import Config, MixtureSource
+from meshtrain.config.schema import Config
 from meshtrain.data import BatchIterator, build_dataset
 from meshtrain.errors import ConfigError
 from meshtrain.train.resume import check_resume, run_meta
@@ -78,6 +79,7 @@ REFUSED = {
             "chosen_key",
             "rejected_key",
             "shared_prompt",
+            "packing",
         ]
     ),
     *(

@@ -74,6 +74,7 @@ REFUSED = (
     "data.chat_template",
     "data.train_on",
     "data.overlong",
+    "data.packing",  # which conversations share a row
     "data.mixture",
     "data.document_masking",
     "data.tokenizer",  # compared by content (the caller puts its identity here)

@@ -9,6 +9,14 @@ are opened, still before anything compiles: `meshtrain.train.setup.prepare` call
 from __future__ import annotations
 
 from meshtrain.config.context import check_context_parallel
+from meshtrain.config.data import (
+    BadRecordPolicy,
+    DataSource,
+    DataVerify,
+    Overlong,
+    Packing,
+    TrainOn,
+)
 from meshtrain.config.epochs import check_epochs
 from meshtrain.config.evaluation import check_eval
 from meshtrain.config.lora import check_lora
@@ -20,23 +28,18 @@ from meshtrain.config.resume import check_allow_changes
 from meshtrain.config.schema import (
     Activation,
     AttentionImpl,
-    BadRecordPolicy,
     CheckpointConfig,
     Config,
     DataConfig,
-    DataSource,
-    DataVerify,
     LayerKind,
     LrSchedule,
     MixedPrecision,
     NonfiniteMode,
-    Overlong,
     PipelineSchedule,
     ReduceDtype,
     RematPolicy,
     ResumeMode,
     RopeScaling,
-    TrainOn,
     choices,
 )
 from meshtrain.config.trackers import check_logging
@@ -68,6 +71,7 @@ def _check_data(data: DataConfig) -> None:
     _one_of("data.on_bad_record", data.on_bad_record, choices(BadRecordPolicy))
     _one_of("data.verify", data.verify, choices(DataVerify))
     _one_of("data.overlong", data.overlong, choices(Overlong))
+    _one_of("data.packing", data.packing, choices(Packing))
     if data.train_on is not None:
         _one_of("data.train_on", data.train_on, choices(TrainOn))
     _positive("data.seq_len", data.seq_len)

@@ -201,6 +201,7 @@ def _packed(
             vocab_size=tokenizer.vocab_size,
             split=split,
             overlong=cfg.overlong,
+            packing=cfg.packing,
             pairs=cfg.source == "preference",
         )
         if packed.overlong:

@@ -9,11 +9,12 @@ from helpers.config import compose_config
 from helpers.paths import REPO
 
 from meshtrain.cli.prepare import main as prepare_main
-from meshtrain.config.schema import TrainOn, choices
+from meshtrain.config.data import TrainOn
+from meshtrain.config.schema import choices
 from meshtrain.data import build_dataset
 from meshtrain.data.chat.encoder import build_chat_encoder
 from meshtrain.data.chat.marks import DOCUMENT_START, ID_BITS, NOT_TRAINED
-from meshtrain.data.chat.packing import greedy_windows
+from meshtrain.data.chat.packing import first_fit_windows, greedy_windows, packed_windows
 from meshtrain.data.chat.records import TRAIN_ON
 from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import DataError
@@ -55,28 +56,43 @@ def test_greedy_windows_hold_whole_conversations():
     assert greedy_windows(np.array([], np.int64), 8).tolist() == [0]
 
 
-def test_windows_carry_whole_conversations_and_exactly_the_assistant_tokens(chats):
-    train = _dataset(chats, "data.seq_len=63")
+def test_first_fit_fills_the_gaps_of_the_last_open_windows_in_data_order():
+    lengths = np.array([5, 6, 3, 2, 8, 1, 4])
+    # 5 opens window 0, 6 window 1, 3 fills 0, 2 fills 1, 8 opens 2, 1 opens 3, 4 joins 3.
+    assert first_fit_windows(lengths, 8).tolist() == [0, 1, 0, 1, 2, 3, 3]
+    order, firsts = packed_windows(lengths, 8, "first_fit")
+    assert order.tolist() == [0, 2, 1, 3, 4, 5, 6] and firsts.tolist() == [0, 2, 4, 5, 7]
+    assert greedy_windows(lengths, 8).tolist() == [0, 1, 2, 4, 5, 7]  # in_order: 5 windows
+    # Only the OPEN_WINDOWS (8) most recently opened windows take a conversation: after 7
+    # windows more, the first one's gap of 1 is still open; after 8, it is closed.
+    assert first_fit_windows(np.array([7] + [8] * 7 + [1]), 8).tolist()[-1] == 0
+    assert first_fit_windows(np.array([7] + [8] * 8 + [1]), 8).tolist()[-1] == 9
+
+
+@pytest.mark.parametrize("packing", ["first_fit", "in_order"])
+def test_windows_carry_whole_conversations_and_exactly_the_assistant_tokens(chats, packing):
+    train = _dataset(chats, "data.seq_len=63", f"data.packing={packing}")
     encoder = build_chat_encoder(str(GEMMA))
     tokenizer = build_tokenizer(str(GEMMA))
     expected = [encoder.encode(_conversation(i)) for i in range(40)]
-    lengths = [len(e.ids) for e in expected]
-    assert (
-        train.num_documents == 40 and len(train) == len(greedy_windows(np.array(lengths), 64)) - 1
-    )
+    lengths = np.array([len(e.ids) for e in expected])
+    order, firsts = packed_windows(lengths, 64, packing)
+    assert train.num_documents == 40 and len(train) == len(firsts) - 1
+    if packing == "first_fit":  # fewer windows than filling one at a time
+        assert len(train) == 19 < len(greedy_windows(lengths, 64)) - 1 == 20
     conversation = 0
     for index in range(len(train)):
         window = train[index]  # int32 [64]
         starts = np.flatnonzero(window & DOCUMENT_START)
         for start in starts:
-            e = expected[conversation]
+            e = expected[order[conversation]]
             piece = window[start : start + len(e.ids)]
             np.testing.assert_array_equal(piece & ID_BITS, e.ids)
             np.testing.assert_array_equal((piece & NOT_TRAINED) == 0, e.trained)
             conversation += 1
-        end = starts[-1] + len(expected[conversation - 1].ids)
+        end = starts[-1] + len(expected[order[conversation - 1]].ids)
         assert np.all(window[end:] & NOT_TRAINED)  # padding: never trained
-    assert conversation == 40
+    assert conversation == 40 and sorted(order.tolist()) == list(range(40))
     # The trained tokens of conversation 1 are its answer and the end-of-turn token.
     trained = expected[1].ids[expected[1].trained]
     assert tokenizer.decode(trained) == "2" and len(trained) == 2

@@ -1,11 +1,14 @@
 """Packs whole conversations (chat data) into fixed-length training sequences, read on demand.
 
-Conversations are laid into windows of seq_len + 1 tokens in order, as many whole ones as fit
-(greedy: the next one that does not fit starts a new window), and the rest of a window is
-padding. A conversation is never split across windows, so every sequence holds whole turns and
-document masking (data.document_masking) keeps its attention inside each conversation. Each
-token carries data.chat.marks' marks: NOT_TRAINED where it is no target of the loss (stored with the
-tokens by meshtrain.data.chat.records; padding too), DOCUMENT_START on each conversation's first.
+Conversations are laid into windows of seq_len + 1 tokens whole, in data order, by
+data.packing: `first_fit` puts each in the first of the OPEN_WINDOWS most recently opened windows
+it fits (a window's conversations keep their data order; a short one can fill the gap another
+left), `in_order` in the current window, or in a new one when it does not fit. The rest of a
+window is padding. A conversation is never split across windows, so every sequence holds whole
+turns and document masking (data.document_masking) keeps its attention inside each conversation.
+Each token carries data.chat.marks' marks: NOT_TRAINED where it is no target of the loss (stored
+with the tokens by meshtrain.data.chat.records; padding too), DOCUMENT_START on each
+conversation's first.
 
 A conversation longer than a window is cut to the window (data.overlong=truncate: its trained
 tokens past the cut are lost), left out (drop) or a one-line error (error); the count is kept in
@@ -34,9 +37,12 @@ if TYPE_CHECKING:
     from meshtrain.data.shards import PreparedCorpus
 
 
+OPEN_WINDOWS = 8  # first_fit: the most recently opened windows a conversation may join
+
+
 def greedy_windows(lengths: np.ndarray, width: int) -> np.ndarray:
-    """int64 [windows + 1]: the index of the first conversation of each window, then the count.
-    lengths: int64 [conversations], each 1..width."""
+    """int64 [windows + 1]: the index of the first conversation of each window, then the count
+    (data.packing=in_order). lengths: int64 [conversations], each 1..width."""
     firsts, fill = [0], 0
     for i, length in enumerate(lengths.tolist()):
         if fill + length > width:
@@ -45,6 +51,38 @@ def greedy_windows(lengths: np.ndarray, width: int) -> np.ndarray:
         fill += length
     firsts.append(len(lengths))
     return np.asarray(firsts if len(lengths) else [0], np.int64)
+
+
+def first_fit_windows(lengths: np.ndarray, width: int) -> np.ndarray:
+    """int64 [conversations]: the window of each conversation (data.packing=first_fit; windows
+    numbered as they open). lengths: int64 [conversations], each 1..width."""
+    window = np.empty(len(lengths), np.int64)
+    open_windows: list[list[int]] = []  # [number, tokens filled], oldest first
+    opened = 0
+    for i, length in enumerate(lengths.tolist()):
+        for slot in open_windows:
+            if slot[1] + length <= width:
+                slot[1] += length
+                window[i] = slot[0]
+                break
+        else:
+            if len(open_windows) == OPEN_WINDOWS:
+                open_windows.pop(0)
+            open_windows.append([opened, length])
+            window[i] = opened
+            opened += 1
+    return window
+
+
+def packed_windows(lengths: np.ndarray, width: int, packing: str) -> tuple[np.ndarray, np.ndarray]:
+    """(order int64 [conversations]: the conversations window by window, each window's in data
+    order; firsts int64 [windows + 1]: where each window starts in `order`, then the count)."""
+    if packing == "in_order":
+        return np.arange(len(lengths), dtype=np.int64), greedy_windows(lengths, width)
+    window = first_fit_windows(lengths, width)
+    order = np.argsort(window, kind="stable")
+    windows = int(window.max()) + 1 if len(window) else 0
+    return order, np.searchsorted(window[order], np.arange(windows + 1)).astype(np.int64)
 
 
 class PackedConversations:
@@ -60,6 +98,7 @@ class PackedConversations:
         vocab_size: int,
         split: str,
         overlong: str,
+        packing: str = "first_fit",
         pairs: bool = False,
     ):
         """parts: (corpus, int64 [n] indices of its conversations), in stream order."""
@@ -90,10 +129,10 @@ class PackedConversations:
         self.answers_lost = 0  # truncated units left without a trained token (pairs: an answer)
         for c in np.flatnonzero(self._lengths < self._full_lengths):
             self.answers_lost += not _trains(self._unit(int(c)), pairs)
-        self._ends = np.cumsum(self._lengths)  # [n]
-        self._firsts = greedy_windows(self._lengths, width)  # [windows + 1]
+        # The conversations window by window, and where each window starts among them.
+        self._order, self._firsts = packed_windows(self._lengths, width, packing)
         self.num_documents = len(self._lengths)
-        self.num_tokens = int(self._ends[-1]) if len(self._ends) else 0
+        self.num_tokens = int(self._lengths.sum())
 
     def __len__(self) -> int:
         return len(self._firsts) - 1
@@ -103,7 +142,7 @@ class PackedConversations:
             raise IndexError(f"index {index} out of range for {len(self)} sequences")
         out = np.full(self.seq_len + 1, self.pad_id | NOT_TRAINED, np.int32)  # [seq_len + 1]
         at = 0
-        for c in range(int(self._firsts[index]), int(self._firsts[index + 1])):
+        for c in self._order[int(self._firsts[index]) : int(self._firsts[index + 1])].tolist():
             length = int(self._lengths[c])
             out[at : at + length] = self._unit(c)
             out[at] |= DOCUMENT_START

@@ -25,7 +25,7 @@ from meshtrain.data.chat.pairs import PairEncoder, PreferenceKeys
 if TYPE_CHECKING:  # prepare's workers load no config package
     from meshtrain.config.schema import DataConfig
 
-TRAIN_ON = ("assistant", "completion", "all")  # config.schema.TrainOn, without the config
+TRAIN_ON = ("assistant", "completion", "all")  # config.data.TrainOn, without the config
 # The data.source values whose ids carry marks (prompts: the rows of sampled completions).
 MARKED_SOURCES = ("chat", "preference", "prompts")
 _ENCODERS: dict[str, ChatEncoder] = {}  # one per worker process and options
