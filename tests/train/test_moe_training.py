@@ -189,7 +189,9 @@ def test_chat_fine_tuning_and_dpo_take_a_mixture_of_experts(tmp_path):
     result = train_tiny(tmp_path, *chat, devices=1)
     losses = [h["loss"] for h in result.history]
     assert losses[-1] < 0.5 * losses[0]
-    assert all(3.0 <= h["moe/aux_loss"] < 4.0 for h in result.history)
+    # top_k = 3 is the even load's value; a router whose probabilities lean away from the
+    # experts that took more tokens gives a little less (2.999 at step 3 here).
+    assert all(2.9 <= h["moe/aux_loss"] < 4.0 for h in result.history)
     dpo = train_tiny(
         tmp_path / "dpo",
         *(o for o in chat if not o.startswith(("data=", "data.paths", "training.steps"))),
