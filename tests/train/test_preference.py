@@ -25,7 +25,8 @@ from meshtrain.checkpoint.writes import TEST_KILL_ENV
 from meshtrain.config.objective import ObjectiveConfig
 from meshtrain.config.schema import DEFAULT_LOGICAL_AXIS_RULES
 from meshtrain.config.validate import check_config
-from meshtrain.data.chat.marks import BRANCH_START, DOCUMENT_START, NOT_TRAINED
+from meshtrain.data.chat.marks import DOCUMENT_START, NOT_TRAINED
+from meshtrain.data.chat.pairs import EncodedPair
 from meshtrain.errors import ConfigError
 from meshtrain.train.loss import target_log_probs
 from meshtrain.train.objectives import Preference, StepInputs
@@ -106,32 +107,25 @@ LENGTH = 33  # seq_len + 1
 
 
 def _packed_rows(rng, shared_prompt: bool):
-    """Flagged rows [2, LENGTH] of ROWS' pairs (data.shared_prompt's layout: the prompt once,
-    then a branch per answer opening with the prompt's last token; or prompt + answer twice), and
-    each pair's two sequences unpacked."""
+    """Flagged rows [2, LENGTH] of ROWS' pairs, each unit as a prepared corpus stores it
+    (EncodedPair.flagged, in data.shared_prompt's layout) and packing marks it (DOCUMENT_START on
+    its first token), and each pair's two sequences unpacked."""
     rows, sequences = [], []
     for row in ROWS:
-        tokens = []
+        units = []
         for prompt, chosen, rejected in row:
             shared = rng.integers(1, 300, prompt)
-            pair = []
-            if shared_prompt:
-                tokens.append(shared[:-1] | NOT_TRAINED)
-                tokens[-1][0] |= DOCUMENT_START
-            for answer in (chosen, rejected):
-                ids = np.concatenate([shared, rng.integers(1, 300, answer)]).astype(np.int32)
-                marks = np.where(np.arange(len(ids)) < prompt, NOT_TRAINED, 0)
-                if shared_prompt:
-                    ids, marks = ids[prompt - 1 :], marks[prompt - 1 :]
-                    marks[0] |= BRANCH_START
-                else:
-                    marks[0] |= DOCUMENT_START
-                tokens.append(ids | marks)
-                pair.append((np.concatenate([shared, ids[1:]]) if shared_prompt else ids, prompt))
-            sequences.append(pair)
-        row = np.concatenate(tokens)
-        rows.append(np.concatenate([row, np.full(LENGTH - len(row), NOT_TRAINED, np.int32)]))
-    return jnp.asarray(np.stack(rows), jnp.int32), sequences
+            pair = EncodedPair(
+                *(np.concatenate([shared, rng.integers(1, 300, n)]) for n in (chosen, rejected)),
+                prompt_length=prompt,
+            )
+            unit = pair.flagged(shared_prompt=shared_prompt)
+            unit[0] |= DOCUMENT_START
+            units.append(unit)
+            sequences.append([(pair.chosen, prompt), (pair.rejected, prompt)])
+        row = np.concatenate(units)
+        rows.append(np.concatenate([row, np.full(LENGTH - len(row), NOT_TRAINED, np.uint32)]))
+    return jnp.asarray(np.stack(rows).astype(np.int32)), sequences
 
 
 @pytest.mark.parametrize(
