@@ -286,12 +286,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=255, help="meshtrain's rows: + 1 tokens")
     parser.add_argument(
-        "--rows", type=int, default=8, help="meshtrain's rows per step (a row of 256: ~1 pair)"
+        "--rows", type=int, default=8, help="meshtrain's rows per step (a row of 256: ~1.8 pairs)"
     )
     parser.add_argument(
         "--unshared-prompt",
         action="store_true",
-        help="meshtrain stores each pair as prompt + chosen, prompt + rejected (data.shared_prompt=false)",
+        help="meshtrain stores each pair as prompt + chosen, prompt + rejected "
+        "(data.shared_prompt=false)",
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--child", choices=["meshtrain", "trl"], help=argparse.SUPPRESS)

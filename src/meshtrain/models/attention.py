@@ -17,8 +17,9 @@ once per model and compute dtype, with the reason:
 Every kernel computes the same masks: causal (a query sees keys at or before it), an optional
 sliding window (query t sees keys s with t - window < s ≤ t, Hugging Face's convention) and
 optional segment ids (int32 [B, T]: a query sees only keys of its own segment, so packed
-documents do not attend to each other; see `same_document` for a segment's branches). Keys and values may have fewer heads than the queries
-(grouped-query attention, K = 1 included): query head n reads key/value head n // (N / K).
+documents do not attend to each other; see `same_document` for a segment's branches). Keys and
+values may have fewer heads than the queries (grouped-query attention, K = 1 included): query
+head n reads key/value head n // (N / K).
 Masked keys get probability exactly 0 in every kernel.
 """
 

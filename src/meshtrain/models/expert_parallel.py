@@ -82,9 +82,8 @@ def exchanging_buffers(
 
     def body(weights, *inputs):
         outputs, dropped = run(*inputs, exchange=Exchange(axes))
-        # each token's dropped picks counted on its own shard
         y = _sum_partials(weighted_sum(outputs, weights), hidden)
-        return y, jax.lax.psum(dropped, split)
+        return y, jax.lax.psum(dropped, split)  # each token's dropped picks counted on its shard
 
     return _manual(body, axes, split, hidden, weights, inputs, out_specs=(P(split), P()))
 

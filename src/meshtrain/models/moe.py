@@ -294,8 +294,8 @@ class MoeFeedForward(Projections):
         E experts, so which picks drop depends on the sequence alone, never on how the batch or
         the experts are split over devices. params holds every expert (E_l = E, no exchange),
         or, with an `exchange` over ep, this device's E/ep: the buffers for every expert
-        [E, S·C, ...] then go to the devices holding them and the outputs come back. adapter_inputs, down_keep: see
-        adapter_inputs."""
+        [E, S·C, ...] then go to the devices holding them and the outputs come back.
+        adapter_inputs, down_keep: see adapter_inputs."""
         top_k = self.top_k
         capacity = expert_capacity(self.capacity_factor, length, top_k, self.num_experts)
         routing = CapacityRouting.of(

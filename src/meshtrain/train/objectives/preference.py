@@ -3,8 +3,9 @@ kin, with trl's DPOTrainer's definitions and metric names.
 
 A batch row packs whole pairs (meshtrain.data.chat.pairs): each a document whose branches 1 and 2
 are the chosen and rejected answers after the prompt (data.shared_prompt), or two documents,
-prompt + chosen then prompt + rejected; the targets that carry loss are the answers' tokens. For each sequence, its log-probability under the policy is the sum of its answer
-tokens' log-probabilities (logps/chosen, logps/rejected), and under the reference likewise.
+prompt + chosen then prompt + rejected; the targets that carry loss are the answers' tokens. For
+each sequence, its log-probability under the policy is the sum of its answer tokens'
+log-probabilities (logps/chosen, logps/rejected), and under the reference likewise.
 With Δ = (logp_c − ref_c) − (logp_r − ref_r) and β = objective.beta, per pair:
 
   sigmoid   −(1−ε)·logσ(βΔ) − ε·logσ(−βΔ)            (DPO; ε = label_smoothing: conservative DPO)
