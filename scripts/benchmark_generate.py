@@ -1,7 +1,8 @@
 """Generation speed: tokens/s of `meshtrain.generate` for a model config with random weights.
 
     python scripts/benchmark_generate.py [--model tiny] [--set model.KEY=VALUE ...]
-        [--prompt-tokens 16] [--new-tokens 32] [--batch 1] [--runs 3] [--transformers] [--json]
+        [--prompt-tokens 16] [--new-tokens 32] [--batch 1] [--repeats 1] [--runs 3]
+        [--transformers] [--json]
 
 The model is configs/model/MODEL.yaml (plus --set overrides), random weights in fp32 on one
 device. The prompt is --prompt-tokens random ids, and no id stops the generation, so every call
@@ -12,7 +13,11 @@ per call (prefill included). With --batch N, a call generates for N prompts of -
 at a time, back to back: tokens/s of both and their ratio. With --transformers (the parity
 extra), the same architecture in transformers (its config.json as meshtrain exports it, random
 weights, fp32, eager torch on the machine's cores) generates for the same N prompts in one
-`generate` call, greedily and exactly --new-tokens tokens, timed the same way after meshtrain. docs/models.md records the numbers
+`generate` call, greedily and exactly --new-tokens tokens, timed the same way after meshtrain.
+With --repeats G, the --batch rows are --batch / G prompts each decoded G times, as a GRPO
+step's rollouts decode a group (meshtrain prefills each prompt once, generate_ids_batch's
+`repeats`; transformers generates for the --batch rows, as trl's GRPOTrainer calls it), and no
+one-at-a-time timing. docs/models.md records the numbers
 (earlier implementations measured by running this script against the source of an earlier
 commit: PYTHONPATH=<that commit's src>).
 """
@@ -41,12 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (16)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated (32)")
     parser.add_argument("--batch", type=int, default=1, help="prompts decoded together (1)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rows a prompt: --batch / repeats prompts (1)"
+    )
     parser.add_argument("--runs", type=int, default=3, help="timed calls after the first (3)")
     parser.add_argument(
         "--transformers", action="store_true", help="also time transformers' batched generate"
     )
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
+    if args.batch % args.repeats:
+        parser.error(f"--batch {args.batch} is not a multiple of --repeats {args.repeats}")
 
     import jax
     from flax import nnx
@@ -64,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     prompts = [
         rng.integers(0, cfg.vocab_size, args.prompt_tokens, dtype=np.int32)
-        for _ in range(args.batch)
+        for _ in range(args.batch // args.repeats)
     ]
+    rows = [prompt for prompt in prompts for _ in range(args.repeats)]  # [batch]
 
     def timed(call) -> tuple[float, list[float]]:
         """The first call's seconds (it compiles) and the median of --runs more."""
@@ -81,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         return first, [seconds() for _ in range(args.runs)]
 
     # No stop ids: every row generates exactly --new-tokens tokens.
-    first, runs = timed(lambda: generate_ids_batch(model, prompts, args.new_tokens))
+    first, runs = timed(
+        lambda: generate_ids_batch(model, prompts, args.new_tokens, repeats=args.repeats)
+    )
     median = statistics.median(runs)
     result = {
         "model": args.model,
@@ -89,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
         "batch": args.batch,
+        "repeats": args.repeats,
         "tokens_per_sec": args.batch * args.new_tokens / median,
         "median_s": median,
         "runs_s": runs,
@@ -97,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         "jax": jax.__version__,
         "meshtrain": str(Path(meshtrain.__file__).parent),
     }
-    if args.batch > 1:  # the same prompts one at a time, back to back
+    if args.batch > 1 and args.repeats == 1:  # the same prompts one at a time, back to back
         _, alone = timed(lambda: [generate_ids(model, p, args.new_tokens) for p in prompts])
         result["one_at_a_time_tokens_per_sec"] = (
             args.batch * args.new_tokens / statistics.median(alone)
@@ -105,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         result["one_at_a_time_runs_s"] = alone
         result["batched_speedup"] = statistics.median(alone) / median
     if args.transformers:
-        _, theirs = timed(_transformers_generate(cfg, prompts, args.new_tokens))
+        _, theirs = timed(_transformers_generate(cfg, rows, args.new_tokens))
         result["transformers_tokens_per_sec"] = (
             args.batch * args.new_tokens / statistics.median(theirs)
         )
@@ -117,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(
             f"{args.model}: {args.batch} × ({args.prompt_tokens} prompt + {args.new_tokens} new "
-            f"tokens), {result['tokens_per_sec']:.1f} tokens/s (median of {args.runs}: "
+            f"tokens, {args.repeats} a prompt), {result['tokens_per_sec']:.1f} tokens/s (median of {args.runs}: "
             f"{median:.3f} s; first call {first:.2f} s)"
         )
-        if args.batch > 1:
+        if "batched_speedup" in result:
             print(
                 f"one at a time: {result['one_at_a_time_tokens_per_sec']:.1f} tokens/s; "
                 f"batched {result['batched_speedup']:.2f}× faster"

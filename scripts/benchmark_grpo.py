@@ -2,7 +2,7 @@
 prompts and reward, back to back (docs/performance.md#grpo-against-trl).
 
     python scripts/benchmark_grpo.py [--steps 6] [--warmup 2] [--hidden 256] [--layers 4]
-        [--completions 32] [--generations 8] [--new-tokens 32] [--json OUT]
+        [--completions 32] [--generations 8] [--new-tokens 32] [--unshared-prompt] [--json OUT]
 
 The model: benchmark_preference.py's random Qwen 3 (--hidden, --layers) with the Qwen 3 chat
 tokenizer of tests/fixtures/chat/qwen3. The prompts: 256 addition questions with a sentence
@@ -12,7 +12,9 @@ prompt + --new-tokens, the least that fits; trl pads each batch to its longest).
 1 up to --new-tokens tokens, scored by one reward function (the share of the completion's
 characters that are digits), one update a rollout (trl's num_iterations=1), the dapo loss
 without a KL term (trl's defaults), AdamW at a constant learning rate, fp32 on the CPU, 2
-threads. Each side runs in a child process of its own, so its peak resident memory is its own.
+threads. meshtrain trains on rows that hold a prompt once and its completions after it
+(data.shared_prompt, its default); --unshared-prompt: a row per completion, as trl feeds them.
+Each side runs in a child process of its own, so its peak resident memory is its own.
 
 A step's time is the median over the timed steps after the warm-up of the whole step: trl: the
 time between its callback's step ends (generation, scoring and update); meshtrain: its logged
@@ -90,6 +92,7 @@ def meshtrain_child(args: argparse.Namespace) -> dict:
         f"objective.max_new_tokens={args.new_tokens}",
         f"objective.rewards=[{Path(__file__).resolve()}:{REWARD}]",
         f"training.global_batch_size={args.completions}",
+        f"data.shared_prompt={not args.unshared_prompt}",
     )
     timed = [h for h in result.history if h["step"] > args.warmup]
     return {
@@ -159,6 +162,8 @@ def run_child(side: str, args: argparse.Namespace) -> dict:
     flags = ("steps", "warmup", "hidden", "layers", "completions", "generations", "new_tokens")
     for flag in (*flags, "longest_prompt"):
         command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if args.unshared_prompt:
+        command.append("--unshared-prompt")
     return run_in_child(command, Path(args.work) / f"{side}.json")
 
 
@@ -171,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--completions", type=int, default=32, help="completions per step")
     parser.add_argument("--generations", type=int, default=8, help="completions per prompt")
     parser.add_argument("--new-tokens", type=int, default=32, help="the longest completion")
+    parser.add_argument(
+        "--unshared-prompt", action="store_true", help="meshtrain: a row per completion"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--longest-prompt", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=["meshtrain", "trl"], help=argparse.SUPPRESS)

@@ -107,7 +107,8 @@ def test_the_loss_its_gradient_and_metrics_are_trls(trl, loss_type, beta, level)
     as32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
 
     def loss(lp):
-        losses, parts = token_losses(lp, as32(old), as32(ref), as32(advantages), as32(mask), cfg)
+        advantage = as32(advantages)[:, None]  # one completion a row
+        losses, parts = token_losses(lp, as32(old), as32(ref), advantage, as32(mask), cfg)
         total, count = loss_sum_and_count(losses, as32(mask), cfg)
         return total / count, parts
 

@@ -116,9 +116,15 @@ def test_on_a_mesh_the_cache_is_sharded_like_the_keys_and_values(kv_heads):
     assert max(errors(cached, np.asarray(alone(tokens)))) <= CACHED_TOLERANCE
     rules = sharded.rules  # kv_heads replicated when 2 tp ranks share 1 key/value head
     assert (rules["kv_heads"] is None) == (kv_heads == 1)
-    want = NamedSharding(mesh, logical_to_spec(decode.CACHE_AXES, rules))
-    assert cache.keys.sharding.is_equivalent_to(want, 5)
-    assert cache.values.sharding.is_equivalent_to(want, 5)
-    # [layers, B, K, S, H] per device: the batch over fsdp=4; K over tp=2 when it divides.
-    shard = (cfg.num_layers, 1, 1, 32, cfg.head_dim)
-    assert {s.data.shape for s in cache.keys.addressable_shards} == {shard}
+    # Per device and layer, the batch over fsdp=4; K over tp=2 when it divides: keys
+    # [B, K, S, H], values [B, K, H, S].
+    shapes = {
+        decode.KEY_AXES: (1, 1, 32, cfg.head_dim),
+        decode.VALUE_AXES: (1, 1, cfg.head_dim, 32),
+    }
+    for layers, axes in ((cache.keys, decode.KEY_AXES), (cache.values, decode.VALUE_AXES)):
+        assert len(layers) == cfg.num_layers
+        want = NamedSharding(mesh, logical_to_spec(axes[1:], rules))
+        for array in layers:
+            assert array.sharding.is_equivalent_to(want, 4)
+            assert {s.data.shape for s in array.addressable_shards} == {shapes[axes]}

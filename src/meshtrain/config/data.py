@@ -59,7 +59,7 @@ class DataConfig:
     rejected_key: str = "rejected"
     """preference: the field or column of the answer not preferred, in the form of chosen_key."""
     shared_prompt: bool = True
-    """preference: a pair is packed as its prompt once, then each answer, which sees the prompt and not the other answer (the same log-probabilities as prompt + answer, in fewer tokens); false: prompt + chosen, then prompt + rejected, as trl feeds them. Needs attention over the whole sequence (no sliding window shorter than data.seq_len)."""
+    """preference: a pair is packed as its prompt once, then each answer, which sees the prompt and not the other answer (the same log-probabilities as prompt + answer, in fewer tokens); false: prompt + chosen, then prompt + rejected, as trl feeds them. Needs attention over the whole sequence (no sliding window shorter than data.seq_len). prompts: a train row holds the prompt once and K of its completions after it (K: the most of objective.num_generations that divide each device's completions and fit the sliding window, if any; docs/rl.md); false: a row per completion."""
     chat_template: str | None = None
     """chat, preference and prompts: a .jinja file rendering conversations; null: the tokenizer's own (tokenizer_config.json or chat_template.jinja)."""
     train_on: str | None = None  # TrainOn

@@ -70,7 +70,7 @@ REFUSED = (
     "data.completion_key",
     "data.chosen_key",
     "data.rejected_key",
-    "data.shared_prompt",  # the pairs' layout in the packed sequences
+    "data.shared_prompt",  # the layout of the pairs and of the rollouts in the rows
     "data.chat_template",
     "data.train_on",
     "data.overlong",

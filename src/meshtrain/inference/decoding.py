@@ -80,15 +80,22 @@ def _top_k_top_p(logits: jax.Array, top_k, top_p) -> jax.Array:
 Carry = tuple  # (step, token [B], cache, key, picked [B, max_new_tokens], done [B]): a decoding
 
 
-def _begin(model, tokens, pad, stop_ids, seed, pick, max_new_tokens: int) -> Carry:
-    """The prefill of the left-padded prompts tokens [B, P] (`pad` [B] padding slots before
-    each) into a cache with room for max_new_tokens more, and the first picked id of each row."""
-    batch, bucket = tokens.shape
-    logits, cache = decode.prefill(model, tokens, bucket, bucket + max_new_tokens, pad)  # [B, V]
+def _begin(model, tokens, pad, stop_ids, seed, pick, max_new_tokens: int, repeats: int = 1):
+    """The prefill of the left-padded prompts tokens [N, P] (`pad` [N] padding slots before
+    each) into a cache with room for max_new_tokens more, each prompt's row, logits and cache
+    then repeated `repeats` times (B = N · repeats rows, each prompt's together: a prompt that is
+    decoded several times is computed once); the first picked id of each row. Returns the carry
+    and the rows' padding [B]."""
+    bucket = tokens.shape[1]
+    logits, cache = decode.prefill(model, tokens, bucket, bucket + max_new_tokens, pad)  # [N, V]
+    if repeats > 1:
+        logits, pad = jnp.repeat(logits, repeats, axis=0), jnp.repeat(pad, repeats, axis=0)
+        cache = cache.repeated(repeats).constrained(model.rules)
+    batch = logits.shape[0]
     key, step_key = jax.random.split(jax.random.key(seed))
     token = constrain(pick(logits, step_key), ("batch",), model.rules)  # [B]
     picked = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token)
-    return jnp.int32(1), token, cache, key, picked, jnp.isin(token, stop_ids)
+    return (jnp.int32(1), token, cache, key, picked, jnp.isin(token, stop_ids)), pad
 
 
 def _advance(model, carry: Carry, limit, pad, stop_ids, pick, bucket: int) -> Carry:
@@ -127,16 +134,28 @@ def _picker(temperature, top_k, top_p, *, vocab_size: int, greedy: bool, truncat
 SAMPLING = ("vocab_size", "greedy", "truncate")  # the static arguments of _picker
 
 
-@partial(nnx.jit, static_argnames=("max_new_tokens", *SAMPLING), graph=False)
+@partial(nnx.jit, static_argnames=("max_new_tokens", "repeats", *SAMPLING), graph=False)
 def generate_batch_program(
-    model, tokens, pad, stop_ids, seed, temperature, top_k, top_p, *, max_new_tokens, **static
+    model,
+    tokens,
+    pad,
+    stop_ids,
+    seed,
+    temperature,
+    top_k,
+    top_p,
+    *,
+    max_new_tokens,
+    repeats=1,
+    **static,
 ) -> tuple[jax.Array, jax.Array]:
-    """Up to max_new_tokens ids after each left-padded prompt of tokens [B, P] (int32; `pad` [B]
-    padding slots before each): one prefill, then decode steps in a loop on the device until
-    every row has picked one of `stop_ids` [n] or max_new_tokens are picked. Returns the picked
-    ids [B, max_new_tokens] (0 after a row's stop id) and the steps run (a scalar)."""
+    """Up to max_new_tokens ids after each left-padded prompt of tokens [N, P] (int32; `pad` [N]
+    padding slots before each), each prompt decoded `repeats` times (B = N · repeats rows, each
+    prompt's together): one prefill, then decode steps in a loop on the device until every row
+    has picked one of `stop_ids` [n] or max_new_tokens are picked. Returns the picked ids
+    [B, max_new_tokens] (0 after a row's stop id) and the steps run (a scalar)."""
     pick = _picker(temperature, top_k, top_p, **static)
-    carry = _begin(model, tokens, pad, stop_ids, seed, pick, max_new_tokens)
+    carry, pad = _begin(model, tokens, pad, stop_ids, seed, pick, max_new_tokens, repeats)
     carry = _advance(model, carry, max_new_tokens, pad, stop_ids, pick, tokens.shape[1])
     steps, picked = carry[0], carry[4]
     return constrain(picked, (), model.rules), steps  # replicated: every process reads them
@@ -147,7 +166,7 @@ def _begin_program(
     model, tokens, pad, stop_ids, seed, temperature, top_k, top_p, *, max_new_tokens, **static
 ) -> Carry:
     pick = _picker(temperature, top_k, top_p, **static)
-    return _begin(model, tokens, pad, stop_ids, seed, pick, max_new_tokens)
+    return _begin(model, tokens, pad, stop_ids, seed, pick, max_new_tokens)[0]
 
 
 @partial(nnx.jit, static_argnames=("bucket", *SAMPLING), donate_argnames=("carry",), graph=False)
@@ -275,28 +294,31 @@ class Decoding:
 
 def generation_program(
     model: Transformer,
-    batch: int,
+    prompts: int,
     bucket: int,
     max_new_tokens: int,
     *,
     vocab_size: int,
+    repeats: int = 1,
     top_k: int = 0,
     top_p: float = 1.0,
 ) -> jax.stages.Lowered:
-    """generate_ids_batch's sampling program for `batch` prompts padded to `bucket`, lowered on
-    abstract inputs (the model's parameters may be ShapeDtypeStructs): what a dry run compiles
-    for a policy-gradient run's rollouts. Run it under the parameters' mesh."""
+    """generate_ids_batch's sampling program for `prompts` prompts padded to `bucket`, each
+    decoded `repeats` times, lowered on abstract inputs (the model's parameters may be
+    ShapeDtypeStructs): what a dry run compiles for a policy-gradient run's rollouts. Run it
+    under the parameters' mesh."""
     scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)  # noqa: E731
     lowered = generate_batch_program.lower(
         model,
-        jax.ShapeDtypeStruct((batch, bucket), jnp.int32),
-        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        jax.ShapeDtypeStruct((prompts, bucket), jnp.int32),
+        jax.ShapeDtypeStruct((prompts,), jnp.int32),
         jax.ShapeDtypeStruct((2,), jnp.int32),  # eos and an end of turn
         scalar(jnp.int32),
         scalar(jnp.float32),
         scalar(jnp.int32),
         scalar(jnp.float32),
         max_new_tokens=max_new_tokens,
+        repeats=repeats,
         vocab_size=vocab_size,
         greedy=False,
         truncate=top_k > 0 or top_p < 1,

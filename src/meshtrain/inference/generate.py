@@ -43,6 +43,7 @@ def generate_ids_batch(
     vocab_size: int | None = None,
     seed: int = 0,
     bucket: int | None = None,
+    repeats: int = 1,
     put: Callable[[np.ndarray | np.generic], Any] = lambda array: array,
 ) -> list[np.ndarray]:
     """The ids the model picks after each of `prompts`, decoded together as one batch (rows
@@ -54,14 +55,16 @@ def generate_ids_batch(
     model's embedding rows) are never picked. One program per (batch size, prompt bucket,
     max_new_tokens, sampling kind): the prompts are left-padded to the bucket of the longest, or
     to `bucket` (at least the longest prompt), which a caller that knows all its prompts' lengths
-    fixes once (a policy-gradient run's rollouts: one program for the run). `put` makes each
+    fixes once (a policy-gradient run's rollouts: one program for the run). With `repeats` each
+    prompt is decoded that many times (its rows together, each sampled on its own), its prefill
+    computed once. `put` makes each
     input an array on the parameters' mesh (global arrays, where the mesh spans processes that
     all make this call with the same prompts); every process gets every row's ids."""
     if not prompts:
         return []
     padded = PaddedPrompts(prompts, bucket)
     if max_new_tokens < 1:
-        return [np.zeros(0, np.int32) for _ in prompts]
+        return [np.zeros(0, np.int32) for _ in range(len(prompts) * repeats)]
     stops = stop_array(stop_ids)
     inputs, static = sampling_arguments(model, temperature, top_k, top_p, vocab_size)
     with model.on_params_mesh():
@@ -73,6 +76,7 @@ def generate_ids_batch(
             put(np.int32(seed)),
             *map(put, inputs),
             max_new_tokens=max_new_tokens,
+            repeats=repeats,
             **static,
         )
     return through_stop(np.asarray(picked)[:, : int(steps)], stops)

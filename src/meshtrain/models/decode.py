@@ -7,14 +7,16 @@ parameters and layers (models.transformer, models.layers), so they serve every f
 local layers with their window and RoPE base, sandwich norms, embedding scaling, grouped-query
 attention down to one key/value head, `scan_layers` and key/value heads replicated over tp.
 
-The cache holds, per layer, the rotated keys and the values of every position so far:
-[layers, B, K, S, H], S = the positions it has room for, sharded like the keys and values of
-the layers (K over tp, or replicated where models.abstract.fit_kv_heads replicates them). The
-heads come before the positions so that a decode step's two attention products read a layer's
-cache as it lies (batch and head leading, the contracted positions or features innermost), with
-no transposed copy of the whole cache per step; each step writes its token's keys and values
-into the stacked cache in place. Positions past the current one hold zeros or the keys of prompt
-padding; the causal mask keeps any query from reading them, and the next token overwrites them.
+The cache holds, per layer, the rotated keys [B, K, S, H] and the values [B, K, H, S] of every
+position so far (`KVCache`), S = the positions it has room for, sharded like the keys and values
+of the layers (K over tp, or replicated where models.abstract.fit_kv_heads replicates them). The
+heads come before the positions, and each array keeps innermost the axis a
+decode step's attention product contracts (the keys' features against the query, the values'
+positions against the probabilities), so that both products read a layer's cache as it lies,
+with no transposed copy of the whole cache per step; each step writes its token's keys and
+values into the cache in place. Positions past the current one hold zeros or the keys of
+prompt padding; the causal mask keeps any query from reading them, and the next token overwrites
+them.
 
 A batch of prompts of different lengths is left-padded (`pad` [B]: the padding slots before
 each row's prompt), so that every row's next token goes to the same cache slot: a row's RoPE
@@ -35,23 +37,53 @@ from meshtrain.models.block import Block
 from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.rules import constrain
 
-CACHE_AXES = ("layers", "batch", "kv_heads", "length", None)  # logical axes of KVCache arrays
-LAYER_CACHE_AXES = CACHE_AXES[1:]
+KEY_AXES = ("layers", "batch", "kv_heads", "length", None)  # logical axes of the cache's keys
+VALUE_AXES = ("layers", "batch", "kv_heads", None, "length")  # and of its values
+
+
+Layers = jax.Array | tuple[jax.Array, ...]  # stacked [layers, ...], or one array a layer
 
 
 class KVCache(NamedTuple):
-    """Every layer's rotated keys and its values, [layers, B, K, S, H] each."""
+    """Every layer's rotated keys [B, K, S, H] and values [B, K, H, S]: stacked, [layers, ...],
+    for scanned layers (the scan reads a layer at a time), else a tuple of the layers' arrays,
+    each read where it lies (not copied out of a stack)."""
 
-    keys: jax.Array
-    values: jax.Array
+    keys: Layers
+    values: Layers
+
+    def constrained(self, rules: Any) -> KVCache:
+        """The cache with its arrays' shardings pinned (the layers' keys and values')."""
+
+        def pin(part: Layers, axes: tuple) -> Layers:
+            if isinstance(part, tuple):
+                return tuple(constrain(layer, axes[1:], rules) for layer in part)
+            return constrain(part, axes, rules)
+
+        return KVCache(pin(self.keys, KEY_AXES), pin(self.values, VALUE_AXES))
+
+    def repeated(self, repeats: int) -> KVCache:
+        """Each row's keys and values `repeats` times, each row's copies together."""
+
+        def repeat(part: Layers) -> Layers:
+            if isinstance(part, tuple):
+                return tuple(jnp.repeat(layer, repeats, axis=0) for layer in part)
+            return jnp.repeat(part, repeats, axis=1)
+
+        return KVCache(repeat(self.keys), repeat(self.values))
 
 
 def init_cache(model: Transformer, batch: int, length: int) -> KVCache:
     """A cache of zeros with room for `length` positions, in the compute dtype of the model."""
     attn = model.blocks.attn if model.scan_layers else model.blocks[0].attn
-    shape = (len(model.layer_kinds), batch, attn.num_kv_heads, length, attn.head_dim)
-    zeros = constrain(jnp.zeros(shape, model.embed[...].dtype), CACHE_AXES, model.rules)
-    return KVCache(zeros, zeros)  # [L, B, K, S, H]
+    shape = (batch, attn.num_kv_heads, length, attn.head_dim)
+    dtype, layers = model.embed[...].dtype, len(model.layer_kinds)
+    keys, values = (jnp.zeros(shape, dtype), jnp.zeros((*shape[:2], *shape[:1:-1]), dtype))
+    if model.scan_layers:
+        cache = KVCache(*(jnp.broadcast_to(part, (layers, *part.shape)) for part in (keys, values)))
+    else:
+        cache = KVCache((keys,) * layers, (values,) * layers)
+    return cache.constrained(model.rules)
 
 
 def prefill(
@@ -117,7 +149,7 @@ def _run(
     per_kind = model.rope_per_kind(positions)
     kernel, _ = model.attention_kernel(x.dtype)
 
-    def layer(block: Block, kind: int, x, keys, values, index=None):
+    def layer(block: Block, kind: int, x, keys, values):
         sin, cos, window = per_kind[kind]
         return _cached_block(
             block,
@@ -127,7 +159,6 @@ def _run(
             keys,
             values,
             start,
-            index,
             window=window,
             kernel=kernel,
             prefill=prefill,
@@ -136,9 +167,10 @@ def _run(
         )
 
     if not model.scan_layers:
-        keys, values = cache
+        keys, values = list(cache.keys), list(cache.values)
         for i, (block, kind) in enumerate(zip(model.blocks, model.kind_index, strict=True)):
-            x, keys, values = layer(block, kind, x, keys, values, i)
+            x, keys[i], values[i] = layer(block, kind, x, keys[i], values[i])
+        keys, values = tuple(keys), tuple(values)
     else:
         graphdef, stacked = nnx.split(model.blocks)
 
@@ -157,8 +189,7 @@ def _run(
 
         kinds = jnp.asarray(model.kind_index, jnp.int32)  # [L]
         x, (keys, values) = jax.lax.scan(scanned, x, (stacked, kinds, *cache))
-    cache = KVCache(*(constrain(c, CACHE_AXES, model.rules) for c in (keys, values)))
-    return x, cache
+    return x, KVCache(keys, values).constrained(model.rules)
 
 
 def _cached_block(
@@ -169,7 +200,6 @@ def _cached_block(
     keys: jax.Array,
     values: jax.Array,
     start: jax.Array | int,
-    index: int | None,
     *,
     window: int | None,
     kernel: AttentionKernel,
@@ -178,9 +208,8 @@ def _cached_block(
     key_pad: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One Block over x [B, T, D] at slots start … start + T - 1, its attention reading the
-    layer's cache keys and values once this step's are written into them: the cache is the
-    layer's [B, K, S, H], or with `index` the stacked [L, B, K, S, H] whose layer `index` this
-    is (written in place, not sliced out and back).
+    layer's cache keys [B, K, S, H] and values [B, K, H, S] once this step's are written into
+    them (in place).
 
     prefill (start 0): the queries see only the new keys (of their own segment), through the
     training path's kernel, so the prompt's logits are those of the model's own call. Decode:
@@ -188,17 +217,14 @@ def _cached_block(
     window), none of their row's first key_pad slots."""
     attn, rules = block.attn, block.rules
     q, k, v = attn.queries_keys_values(block.attn_norm(x), sin, cos)  # [B, T, N|K, H]
-    axes = LAYER_CACHE_AXES if index is None else CACHE_AXES
-    layer = () if index is None else (index,)
 
-    def write(cache: jax.Array, new: jax.Array) -> jax.Array:
-        new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [B, K, T, H]
-        if index is not None:
-            new = new[None]  # [1, B, K, T, H]
-        at = (*layer, 0, 0, start, 0)
-        return constrain(jax.lax.dynamic_update_slice(cache, new, at), axes, rules)
+    def write(cache: jax.Array, new: jax.Array, order: tuple[int, ...], axes) -> jax.Array:
+        new = jnp.transpose(new, order).astype(cache.dtype)  # [B, K, T, H] or [B, K, H, T]
+        at = (0, 0, *(start if i == 1 else 0 for i in order[2:]))
+        return constrain(jax.lax.dynamic_update_slice(cache, new, at), axes[1:], rules)
 
-    keys, values = write(keys, k), write(values, v)
+    keys = write(keys, k, (0, 2, 1, 3), KEY_AXES)
+    values = write(values, v, (0, 2, 3, 1), VALUE_AXES)
     if prefill:
         out = dot_product_attention(
             q,
@@ -209,14 +235,12 @@ def _cached_block(
             segment_ids=segments,
         )  # [B, T, N, H]
     else:
-        layer_keys = keys if index is None else keys[index]  # [B, K, S, H]
-        layer_values = values if index is None else values[index]
         query_positions = start + jnp.arange(q.shape[1])  # [T]
-        key_slots = jnp.arange(layer_keys.shape[2])  # [S]
+        key_slots = jnp.arange(keys.shape[2])  # [S]
         mask = attention_mask(query_positions, key_slots, window=window)  # [1, 1, T, S]
         if key_pad is not None:
             mask = mask & (key_slots >= key_pad[:, None])[:, None, None, :]  # [B, 1, T, S]
-        out = _cached_attention(attn, q, layer_keys, layer_values, mask)
+        out = _cached_attention(attn, q, keys, values, mask)
     x, _ = block.after_attention(x, attn.output(out))  # routing statistics: not for decoding
     return x, keys, values
 
@@ -224,19 +248,17 @@ def _cached_block(
 def _cached_attention(
     attn: Any, q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array
 ) -> jax.Array:
-    """Queries q [B, T, N, H] against a layer's cache keys and values [B, K, S, H] (K key/value
-    heads, each read by G = N / K query heads; with the key/value heads replicated over tp,
-    models.layers.expand_kv's N), under mask bool [B or 1, 1, T, S]: [B, T, N, H]. The scores
-    and the softmax in fp32, as the training path's kernels compute them."""
-    keys, values = (
-        jnp.swapaxes(a, 1, 2)
-        for a in attn.expand_kv(*(jnp.swapaxes(a, 1, 2) for a in (keys, values)))
-    )
+    """Queries q [B, T, N, H] against a layer's cache keys [B, K, S, H] and values [B, K, H, S]
+    (K key/value heads, each read by G = N / K query heads; with the key/value heads replicated
+    over tp, models.layers.expand_kv's N), under mask bool [B or 1, 1, T, S]: [B, T, N, H]. The
+    scores and the softmax in fp32, as the training path's kernels compute them."""
+    keys, values = attn.expand_kv(jnp.swapaxes(keys, 1, 2), jnp.moveaxis(values, 3, 1))
+    keys, values = jnp.swapaxes(keys, 1, 2), jnp.moveaxis(values, 1, 3)
     batch, length, heads, dim = q.shape
     kv_heads = keys.shape[1]
     q = q.reshape(batch, length, kv_heads, heads // kv_heads, dim)  # [B, T, K, G, H]
     scores = jnp.einsum("btkgh,bksh->bkgts", q, keys, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, :, None], scores * attn.scale, -jnp.inf)  # [B, K, G, T, S]
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("bkgts,bksh->btkgh", probs, values)  # [B, T, K, G, H]
+    out = jnp.einsum("bkgts,bkhs->btkgh", probs, values)  # [B, T, K, G, H]
     return out.reshape(batch, length, heads, dim)

@@ -36,10 +36,10 @@ from meshtrain.inference.decoding import generation_program
 from meshtrain.models.abstract import AbstractModel, merge_model
 from meshtrain.parallel.arrays import global_array
 from meshtrain.rl.prompts import PromptSet
-from meshtrain.rl.rows import completion_rows, token_columns, with_rollout
+from meshtrain.rl.rows import RowLayout
 from meshtrain.rl.sampling import Sampler, sampling_seed
 
-# (params, frozen, tokens int32 [accum, micro, seq_len + 1]) → fp32 [accum, micro, seq_len]:
+# (params, frozen, tokens int32 [accum, rows, T]) → fp32 [accum, rows, T − 1]:
 # train.objectives.policy_gradient.sampling_log_probs, compiled.
 OldLogProbs = Callable[[Any, Any, jax.Array], jax.Array]
 
@@ -56,11 +56,13 @@ class RolloutBatches:
         seed: int,
         sharding: NamedSharding,
         global_shape: Sequence[int],
+        layout: RowLayout,
         old_log_probs: OldLogProbs | None = None,
     ) -> None:
         cfg = sampler.cfg
         self.sampler, self.prompts, self.cfg, self.seed = sampler, prompts, cfg, seed
-        self._sharding, self._global_shape = sharding, tuple(global_shape)
+        self._sharding, self._global_shape = sharding, tuple(global_shape)  # of rows
+        self.layout = layout
         self.global_batch = prompts.per_step * cfg.num_generations
         self.cycle = generation_cycle(cfg)  # steps a generation feeds
         if self.cycle > 1 and old_log_probs is None:
@@ -131,7 +133,7 @@ class RolloutBatches:
             self._metrics = {self._generation_start + 1: dict(state["generation_metrics"])}
 
     def _batch(self, k: int) -> jax.Array:
-        """Iterator step k's batch: [accum, micro_global, width], from its generation."""
+        """Iterator step k's batch: [accum, rows, width], from its generation."""
         start = k - k % self.cycle
         if start != self._generation_start:
             self._generation, self._generation_start = self._generate(start), start
@@ -140,20 +142,17 @@ class RolloutBatches:
 
     def _generate(self, start: int) -> np.ndarray:
         """The rows of the generation starting at iterator step `start`: int32
-        [steps_per_generation, accum, micro_global, width]."""
+        [steps_per_generation, accum, rows, width]."""
         if self._policy is None:
             raise RuntimeError("the rollouts follow no policy: call follow(state) first")
         group, steps = self.cfg.num_generations, self.cfg.steps_per_generation
         first = start // self.cycle * steps  # the prompts' step (the generations' before it)
-        prompts = [
-            p for i in range(steps) for p in self.prompts.for_step(first + i) for _ in range(group)
-        ]
+        unique = [p for i in range(steps) for p in self.prompts.for_step(first + i)]
+        prompts = [p for p in unique for _ in range(group)]
         waiting = time.perf_counter()
         jax.block_until_ready(self._policy.params)  # the update this rollout follows
         begin = time.perf_counter()
-        completions = self.sampler.sample(
-            self._policy, prompts, sampling_seed(self.seed, start + 1)
-        )
+        completions = self.sampler.sample(self._policy, unique, sampling_seed(self.seed, start + 1))
         generated = time.perf_counter()
         scored = self.sampler.score(prompts, completions)
         times = {
@@ -161,20 +160,21 @@ class RolloutBatches:
             "rollout/score_s": time.perf_counter() - generated,
         }
         trained = scored.finished | (not self.cfg.mask_truncated_completions)
-        shape = (steps, *self._global_shape[:-1])
-        width = token_columns(self._global_shape[-1], buffered=self.cycle > 1)
-        tokens = completion_rows([p.ids for p in prompts], completions, trained, width)
-        tokens = tokens.reshape(*shape, width)
-        advantages = scored.advantages.values.reshape(shape)
+        layout = self.layout
+        shape = (steps, *self._global_shape[:-1])  # [steps, accum, rows]
+        tokens = layout.token_rows([p.ids for p in prompts], completions, trained)
+        tokens = tokens.reshape(*shape, layout.tokens)
+        advantages = scored.advantages.values.reshape(*shape, layout.completions)
         lengths = np.array([c.size for c in completions])
         if self.cycle == 1:
-            rows = with_rollout(tokens, advantages)
+            rows = layout.with_rollout(tokens, advantages)
         else:
-            share = np.sum(lengths * trained) / len(completions)  # dapo's count per row
+            # dapo's count, per completion then per row
+            share = np.sum(lengths * trained) / len(completions) * layout.completions
             scoring = time.perf_counter()
             old = self._score(tokens)
             times["rollout/old_log_probs_s"] = time.perf_counter() - scoring
-            rows = with_rollout(tokens, advantages, np.full(shape, share), old)
+            rows = layout.with_rollout(tokens, advantages, np.full(shape, share), old)
         self._metrics[start + 1] = {
             **scored.metrics(self.sampler.rewards.names),
             "rollout/wait_s": begin - waiting,
@@ -184,9 +184,9 @@ class RolloutBatches:
         return rows
 
     def _score(self, tokens: np.ndarray) -> np.ndarray:
-        """fp32 [steps_per_generation, accum, micro_global, seq_len]: the old log-probabilities
-        of a generation's rows (tokens int32 [..., seq_len + 1]), under the policy that sampled
-        them, a step's rows at a time."""
+        """fp32 [steps_per_generation, accum, rows, T − 1]: the old log-probabilities of a
+        generation's rows (tokens int32 [..., T]), under the policy that sampled them, a step's
+        rows at a time."""
         state = self._policy
         return np.stack(
             [
@@ -210,10 +210,11 @@ def rollout_program(
     policy = merge_model(model, model.full_params(state.params, state.frozen))
     return generation_program(
         policy,
-        completions,
+        completions // cfg.num_generations,
         seq_len + 1 - cfg.max_new_tokens,
         cfg.max_new_tokens,
         vocab_size=model.config.vocab_size,
+        repeats=cfg.num_generations,
         top_k=cfg.top_k,
         top_p=cfg.top_p,
     )

@@ -3,8 +3,9 @@ training rollouts (meshtrain.rl.rollouts) and an evaluation on held-out prompts
 (`ValidationRollouts`) both do.
 
 All the prompts of a call decode together as one batch on the training mesh (meshtrain.inference
-.generate's batched program: one prefill, then decode steps on the device until every row has
-stopped or objective.max_new_tokens), from the state's own sharded parameters (with LoRA, the
+.generate's batched program: one prefill of each prompt, repeated for its
+objective.num_generations rows, then decode steps on the device until every row has stopped or
+objective.max_new_tokens), from the state's own sharded parameters (with LoRA, the
 base and its adapters; nothing is copied), the prompts padded to one width for the run (one
 program). The rewards (meshtrain.rl.rewards) and the advantages (meshtrain.rl.advantages) are
 computed on the host. Where the mesh spans several processes, each of them samples the same
@@ -87,8 +88,9 @@ class Sampler:
         self._put = partial(global_array, sharding=NamedSharding(mesh, PartitionSpec()))
 
     def sample(self, state: Any, prompts: list[Prompt], seed: int) -> list[np.ndarray]:
-        """Each prompt's completion, sampled from `state` (int32 [≤ max_new_tokens], with the
-        stop id that ended it, if one did)."""
+        """objective.num_generations completions of each prompt, in groups, sampled from
+        `state` (int32 [≤ max_new_tokens] each, with the stop id that ended it, if one did);
+        each prompt's prefill is computed once."""
         cfg = self.cfg
         net = merge_model(self.model, self.model.full_params(state.params, state.frozen))
         return generate_ids_batch(
@@ -102,6 +104,7 @@ class Sampler:
             vocab_size=min(self.tokenizer.vocab_size, self.model.config.vocab_size),
             seed=seed,
             bucket=self.width,
+            repeats=cfg.num_generations,
             put=self._put,
         )
 
@@ -132,18 +135,19 @@ class ValidationRollouts:
     (the training generation's size: its program serves). Their metrics: Scored.metrics."""
 
     def __init__(self, sampler: Sampler, prompts: list[Prompt], *, batch: int, seed: int) -> None:
-        group = sampler.cfg.num_generations
-        self.sampler, self.seed, self.batch = sampler, seed, batch
-        self.prompts = [p for p in prompts for _ in range(group)]
+        self.group = sampler.cfg.num_generations
+        self.sampler, self.seed, self.prompts = sampler, seed, prompts
+        self.batch = batch // self.group  # prompts a batch
 
     def __call__(self, state: Any) -> dict[str, float]:
         completions: list[np.ndarray] = []
         for start in range(0, len(self.prompts), self.batch):
             chunk = self.prompts[start : start + self.batch]
             padded = chunk + [chunk[0]] * (self.batch - len(chunk))  # one program
-            seed = sampling_seed(self.seed, 0, start)
-            completions += self.sampler.sample(state, padded, seed)[: len(chunk)]
-        scored = self.sampler.score(self.prompts, completions)
+            seed = sampling_seed(self.seed, 0, start * self.group)
+            completions += self.sampler.sample(state, padded, seed)[: len(chunk) * self.group]
+        prompts = [p for p in self.prompts for _ in range(self.group)]
+        scored = self.sampler.score(prompts, completions)
         return scored.metrics(self.sampler.rewards.names)
 
 

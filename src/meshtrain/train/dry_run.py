@@ -164,9 +164,9 @@ def _compile_rollout(
     ]
     score = old_log_probs_program(setup)
     if score is not None:
-        accum, micro, _ = setup.batch_shape
+        accum, rows, _ = setup.batch_shape
         tokens = jax.ShapeDtypeStruct(
-            (accum, micro, setup.cfg.data.seq_len + 1), jnp.int32, sharding=batch_sharding
+            (accum, rows, setup.rollout_layout.tokens), jnp.int32, sharding=batch_sharding
         )
         lowered.append(score.lower(state.params, state.frozen, tokens))
     return measure([program.compile() for program in lowered], time.perf_counter() - start)

@@ -202,6 +202,7 @@ def _batch_iterator(setup: Setup, batch_sharding: NamedSharding) -> BatchSource:
             seed=cfg.training.seed,
             sharding=batch_sharding,
             global_shape=setup.batch_shape,
+            layout=setup.rollout_layout,
             old_log_probs=old_log_probs_program(setup),
         )
     rows = process_rows(batch_sharding, setup.batch_shape, axis=1)

@@ -35,9 +35,16 @@ from meshtrain.observe.progress import phase
 from meshtrain.parallel.context import ContextLayout, sequence_axes, sequence_shards
 from meshtrain.parallel.mesh import MeshSpec, build_mesh, parse_mesh_shape
 from meshtrain.parallel.rules import logical_to_spec, mesh_axes_for
+from meshtrain.rl.rows import RowLayout, completions_per_row
 from meshtrain.rl.setup import RolloutData, rollout_data
 from meshtrain.train.documents import TokenFormat, token_format
-from meshtrain.train.objectives import OBJECTIVES, Objective, StepInputs, build_objective
+from meshtrain.train.objectives import (
+    OBJECTIVES,
+    GroupRelative,
+    Objective,
+    StepInputs,
+    build_objective,
+)
 from meshtrain.train.pipeline_plan import PipelinePlan, pipeline_plan
 from meshtrain.train.step import COMPUTE_DTYPES
 
@@ -65,9 +72,29 @@ class Setup:
         compute_dtype = COMPUTE_DTYPES[self.cfg.training.mixed_precision]
         moe = self.cfg.model.moe
         inputs = StepInputs(
-            self.token_format, compute_dtype, self.pipeline, moe if moe.num_experts else None
+            self.token_format,
+            compute_dtype,
+            self.pipeline,
+            moe if moe.num_experts else None,
+            self.completions_per_row,
         )
         return build_objective(inputs, self.cfg.objective)
+
+    @property
+    def completions_per_row(self) -> int:
+        """A policy-gradient run's completions of one prompt per batch row (meshtrain.rl.rows);
+        1 for every other run, whose rows are its sequences."""
+        if self.cfg.data.source != "prompts":
+            return 1
+        return completions_per_row(self.cfg, self.micro_batch_size)
+
+    @property
+    def rollout_layout(self) -> RowLayout | None:
+        """A policy-gradient run's rows (meshtrain.rl.rows); None for every other run."""
+        objective = self.objective
+        if not isinstance(objective, GroupRelative):
+            return None
+        return objective.layout(self.cfg.data.seq_len)
 
     @property
     def reference_copy(self) -> bool:
@@ -83,7 +110,8 @@ class Setup:
 
     @property
     def micro_global(self) -> int:
-        """Sequences per micro-batch over the whole mesh."""
+        """Sequences (a policy-gradient run: completions) per micro-batch over the whole
+        mesh."""
         return self.micro_batch_size * self.batch_shards
 
     @property
@@ -92,12 +120,11 @@ class Setup:
 
     @property
     def batch_shape(self) -> tuple[int, int, int]:
-        """The train step's batch: [accumulation steps, micro_global, seq_len + 1 + the
-        objective's extra columns]."""
+        """The train step's batch: [accumulation steps, rows per micro-batch, the objective's
+        columns]: a row a sequence, or K completions (completions_per_row)."""
         accum = self.cfg.training.gradient_accumulation_steps
-        seq_len = self.cfg.data.seq_len
-        columns = seq_len + 1 + self.objective.extra_columns(seq_len)
-        return (accum, self.micro_global, columns)
+        rows = self.micro_global // self.completions_per_row
+        return (accum, rows, self.objective.row_width(self.cfg.data.seq_len))
 
     @property
     def rows_sharding(self) -> NamedSharding:
@@ -109,9 +136,10 @@ class Setup:
     @property
     def flops_per_step(self) -> int:
         """Model FLOPs of one update, all devices (meshtrain.observe.flops)."""
-        return train_flops_per_step(
-            self.cfg.model, seq_len=self.cfg.data.seq_len, sequences=self.global_batch
-        )
+        layout = self.rollout_layout  # rows of several completions: their tokens
+        seq_len = self.cfg.data.seq_len if layout is None else layout.tokens - 1
+        accum, rows, _ = self.batch_shape
+        return train_flops_per_step(self.cfg.model, seq_len=seq_len, sequences=accum * rows)
 
 
 def _data_error(err: ValueError) -> ConfigError:
@@ -164,6 +192,14 @@ def prepare(
                 setup.rollouts = rollout_data(cfg, setup.global_batch)
             except ValueError as err:
                 raise _data_error(err) from None
+        accum, rows, _ = setup.batch_shape
+        log.info(
+            "rollout rows: %d a step, each a prompt and %d of its completions in %d tokens%s",
+            accum * rows,
+            setup.completions_per_row,
+            setup.rollout_layout.tokens,
+            " (data.shared_prompt)" if setup.completions_per_row > 1 else "",
+        )
         return setup
     with phase(log, f"reading the data ({cfg.data.source})", "read the data"):
         train_data, validation_data = _build_data(cfg)

@@ -41,6 +41,7 @@ class StepInputs:
     compute_dtype: jnp.dtype
     pipeline: PipelinePlan | None = None
     moe: MoeConfig | None = None  # the model's mixture of experts: its auxiliary losses
+    completions_per_row: int = 1  # a policy-gradient run's rows: completions each (rl.rows)
 
 
 def cast_params(model: AbstractModel, params: Any, compute_dtype: jnp.dtype) -> Any:
@@ -84,10 +85,10 @@ class Objective(ABC):
     def __init__(self, inputs: StepInputs, cfg: ObjectiveConfig | None = None) -> None:
         self.inputs, self.cfg = inputs, cfg or ObjectiveConfig()
 
-    def extra_columns(self, seq_len: int) -> int:
-        """The int32 columns its rows hold after their seq_len + 1 tokens (what the batch
-        carries besides the tokens: an advantage, the reference's log-probabilities)."""
-        return 0
+    def row_width(self, seq_len: int) -> int:
+        """The int32 columns of its rows: seq_len + 1 tokens, or more where a row carries more
+        (the reference's log-probabilities; a rollout's completions and advantages)."""
+        return seq_len + 1
 
     @abstractmethod
     def sums(

@@ -114,8 +114,9 @@ class Preference(Objective):
         # Only a reference computed in the step reads the state's frozen copy.
         self.reads_reference = self.against_reference and not self.precomputed
 
-    def extra_columns(self, seq_len: int) -> int:
-        return seq_len if self.precomputed else 0  # the reference's log-probability per target
+    def row_width(self, seq_len: int) -> int:
+        # The reference's log-probability of each target after the tokens, if precomputed.
+        return 2 * seq_len + 1 if self.precomputed else seq_len + 1
 
     def sums(
         self,
