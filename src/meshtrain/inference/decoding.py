@@ -77,25 +77,28 @@ def _top_k_top_p(logits: jax.Array, top_k, top_p) -> jax.Array:
     return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
-Carry = tuple  # (step, token [B], cache, key, picked [B, max_new_tokens], done [B]): a decoding
+# A decoding: (step, token [B], cache, key, picked [B, max_new_tokens], done [B], prompt): the
+# cache of the slots after the prompts, and the prompts' own (models.decode.decode_step).
+Carry = tuple
 
 
 def _begin(model, tokens, pad, stop_ids, seed, pick, max_new_tokens: int, repeats: int = 1):
     """The prefill of the left-padded prompts tokens [N, P] (`pad` [N] padding slots before
-    each) into a cache with room for max_new_tokens more, each prompt's row, logits and cache
-    then repeated `repeats` times (B = N · repeats rows, each prompt's together: a prompt that is
-    decoded several times is computed once); the first picked id of each row. Returns the carry
-    and the rows' padding [B]."""
+    each) into the prompts' cache, a cache for max_new_tokens more slots of each of the
+    B = N · repeats rows (each prompt's `repeats` rows together: a prompt decoded several times
+    is computed and held once, its rows read it), and the first picked id of each row. Returns
+    the carry and the rows' padding [B]."""
     bucket = tokens.shape[1]
-    logits, cache = decode.prefill(model, tokens, bucket, bucket + max_new_tokens, pad)  # [N, V]
+    logits, prompt = decode.prefill(model, tokens, bucket, bucket, pad)  # [N, V]
     if repeats > 1:
         logits, pad = jnp.repeat(logits, repeats, axis=0), jnp.repeat(pad, repeats, axis=0)
-        cache = cache.repeated(repeats).constrained(model.rules)
     batch = logits.shape[0]
+    cache = decode.init_cache(model, batch, max_new_tokens)
     key, step_key = jax.random.split(jax.random.key(seed))
     token = constrain(pick(logits, step_key), ("batch",), model.rules)  # [B]
     picked = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token)
-    return (jnp.int32(1), token, cache, key, picked, jnp.isin(token, stop_ids)), pad
+    done = jnp.isin(token, stop_ids)
+    return (jnp.int32(1), token, cache, key, picked, done, prompt), pad
 
 
 def _advance(model, carry: Carry, limit, pad, stop_ids, pick, bucket: int) -> Carry:
@@ -104,17 +107,19 @@ def _advance(model, carry: Carry, limit, pad, stop_ids, pick, bucket: int) -> Ca
     limit = jnp.minimum(limit, carry[4].shape[1])
 
     def more(carry) -> jax.Array:
-        step, *_, done = carry
+        step, done = carry[0], carry[5]
         return (step < limit) & ~jnp.all(done)
 
     def next_token(carry):
-        step, token, cache, key, picked, done = carry
-        logits, cache = decode.decode_step(model, token[:, None], bucket + step - 1, cache, pad)
+        step, token, cache, key, picked, done, prompt = carry
+        logits, cache = decode.decode_step(
+            model, token[:, None], bucket + step - 1, cache, pad, prompt
+        )
         key, step_key = jax.random.split(key)
         token = jnp.where(done, 0, pick(logits, step_key))  # a finished row picks nothing
         token = constrain(token, ("batch",), model.rules)
         picked = jax.lax.dynamic_update_slice_in_dim(picked, token[:, None], step, axis=1)
-        return step + 1, token, cache, key, picked, done | jnp.isin(token, stop_ids)
+        return step + 1, token, cache, key, picked, done | jnp.isin(token, stop_ids), prompt
 
     return jax.lax.while_loop(more, next_token, carry)
 
@@ -176,8 +181,8 @@ def _advance_program(
     """_advance after marking the rows `stopped` [B] (by the caller) done; also returns the
     picked ids and the done rows, replicated."""
     pick = _picker(temperature, top_k, top_p, **static)
-    step, token, cache, key, picked, done = carry
-    carry = step, token, cache, key, picked, done | stopped
+    step, token, cache, key, picked, done, prompt = carry
+    carry = step, token, cache, key, picked, done | stopped, prompt
     carry = _advance(model, carry, limit, pad, stop_ids, pick, bucket)
     return carry, constrain(carry[4], (), model.rules), constrain(carry[5], (), model.rules)
 

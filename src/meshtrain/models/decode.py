@@ -18,6 +18,12 @@ values into the cache in place. Positions past the current one hold zeros or the
 prompt padding; the causal mask keeps any query from reading them, and the next token overwrites
 them.
 
+Generation keeps the prompts' keys and values apart from the new tokens': a prefill fills a
+cache of the prompts' slots, and the decode steps write into a cache of the slots after them
+(decode_step's `prompt`). A prompt decoded several times (a GRPO group of rows) is then
+prefilled and held once, and each decode step reads its keys once for all its rows (one
+product of the group's queries), not once per row.
+
 A batch of prompts of different lengths is left-padded (`pad` [B]: the padding slots before
 each row's prompt), so that every row's next token goes to the same cache slot: a row's RoPE
 position is its slot minus its padding, and no query reads a padding slot (a segment mask in
@@ -61,16 +67,6 @@ class KVCache(NamedTuple):
             return constrain(part, axes, rules)
 
         return KVCache(pin(self.keys, KEY_AXES), pin(self.values, VALUE_AXES))
-
-    def repeated(self, repeats: int) -> KVCache:
-        """Each row's keys and values `repeats` times, each row's copies together."""
-
-        def repeat(part: Layers) -> Layers:
-            if isinstance(part, tuple):
-                return tuple(jnp.repeat(layer, repeats, axis=0) for layer in part)
-            return jnp.repeat(part, repeats, axis=1)
-
-        return KVCache(repeat(self.keys), repeat(self.values))
 
 
 def init_cache(model: Transformer, batch: int, length: int) -> KVCache:
@@ -118,14 +114,22 @@ def decode_step(
     position: jax.Array,
     cache: KVCache,
     pad: jax.Array | None = None,
+    prompt: KVCache | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Runs tokens [B, 1] at cache slot `position` (every earlier slot is in the cache; a row's
-    RoPE position is the slot minus its `pad` [B] padding slots, default none): returns the
-    logits [B, V] of the next token and the cache with this token's keys and values added."""
+    """Runs tokens [B, 1] at slot `position` (every earlier slot is in the cache; a row's RoPE
+    position is the slot minus its `pad` [B] padding slots, default none): returns the logits
+    [B, V] of the next token and the cache with this token's keys and values added.
+
+    With `prompt` (a prefill's cache of the prompts' S_p slots, N prompts, each read by B / N
+    consecutive rows: a prompt decoded several times), `cache` holds the slots from S_p on: the
+    token goes to its slot position − S_p, and each row's queries read its prompt's keys, shared
+    by its group, and its own."""
     positions = jnp.full(tokens.shape, position, jnp.int32)  # [B, 1]
     if pad is not None:
         positions = positions - pad[:, None]
-    x, cache = _run(model, tokens, positions, cache, start=position, prefill=False, key_pad=pad)
+    x, cache = _run(
+        model, tokens, positions, cache, start=position, prefill=False, key_pad=pad, prompt=prompt
+    )
     return model.logits(model.final_norm(x))[:, 0], cache
 
 
@@ -139,17 +143,18 @@ def _run(
     prefill: bool,
     segments: jax.Array | None = None,
     key_pad: jax.Array | None = None,
+    prompt: KVCache | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """The blocks over tokens [B, T] at RoPE `positions` [B, T] and cache slots start … start +
-    T - 1, each layer writing its keys and values into the cache there: a prefill from slot 0
+    """The blocks over tokens [B, T] at RoPE `positions` [B, T] and slots start … start + T - 1,
+    each layer writing its keys and values into the cache there: a prefill from slot 0
     (`segments` [B, T]: optional segment ids of the tokens) or a decode step (`key_pad` [B]:
-    optional padding slots each row's queries never read). Returns the residual stream
-    [B, T, D] before the final norm, and the cache."""
+    optional padding slots each row's queries never read; `prompt`: decode_step's). Returns the
+    residual stream [B, T, D] before the final norm, and the cache."""
     x = model.embed_tokens(tokens)  # [B, T, D]
     per_kind = model.rope_per_kind(positions)
     kernel, _ = model.attention_kernel(x.dtype)
 
-    def layer(block: Block, kind: int, x, keys, values):
+    def layer(block: Block, kind: int, x, keys, values, shared=None):
         sin, cos, window = per_kind[kind]
         return _cached_block(
             block,
@@ -164,20 +169,25 @@ def _run(
             prefill=prefill,
             segments=segments,
             key_pad=key_pad,
+            prompt=shared,
         )
 
     if not model.scan_layers:
         keys, values = list(cache.keys), list(cache.values)
         for i, (block, kind) in enumerate(zip(model.blocks, model.kind_index, strict=True)):
-            x, keys[i], values[i] = layer(block, kind, x, keys[i], values[i])
+            shared = None if prompt is None else (prompt.keys[i], prompt.values[i])
+            x, keys[i], values[i] = layer(block, kind, x, keys[i], values[i], shared)
         keys, values = tuple(keys), tuple(values)
     else:
         graphdef, stacked = nnx.split(model.blocks)
 
         def scanned(x, xs):
-            params, kind, keys, values = xs
+            params, kind, keys, values, *shared = xs
+            shared = tuple(shared) or None  # this layer's prompt keys and values, if any
             branches = [
-                lambda x, keys, values, k=k: layer(nnx.merge(graphdef, params), k, x, keys, values)
+                lambda x, keys, values, k=k: layer(
+                    nnx.merge(graphdef, params), k, x, keys, values, shared
+                )
                 for k in range(len(per_kind))
             ]
             # Each kind's window is static inside its branch (the training kernels slice by it).
@@ -188,7 +198,8 @@ def _run(
             return x, (keys, values)
 
         kinds = jnp.asarray(model.kind_index, jnp.int32)  # [L]
-        x, (keys, values) = jax.lax.scan(scanned, x, (stacked, kinds, *cache))
+        xs = (stacked, kinds, *cache, *(() if prompt is None else prompt))
+        x, (keys, values) = jax.lax.scan(scanned, x, xs)
     return x, KVCache(keys, values).constrained(model.rules)
 
 
@@ -206,6 +217,7 @@ def _cached_block(
     prefill: bool,
     segments: jax.Array | None,
     key_pad: jax.Array | None,
+    prompt: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One Block over x [B, T, D] at slots start … start + T - 1, its attention reading the
     layer's cache keys [B, K, S, H] and values [B, K, H, S] once this step's are written into
@@ -214,13 +226,16 @@ def _cached_block(
     prefill (start 0): the queries see only the new keys (of their own segment), through the
     training path's kernel, so the prompt's logits are those of the model's own call. Decode:
     the queries see the whole cache, masked to the slots at or before them (and within the
-    window), none of their row's first key_pad slots."""
+    window), none of their row's first key_pad slots; with `prompt` (the layer's prompt keys
+    [N, K, S_p, H] and values [N, K, H, S_p], decode_step's), the cache holds the slots from
+    S_p on."""
     attn, rules = block.attn, block.rules
     q, k, v = attn.queries_keys_values(block.attn_norm(x), sin, cos)  # [B, T, N|K, H]
+    offset = 0 if prompt is None else prompt[0].shape[2]  # the slot of the cache's first
 
     def write(cache: jax.Array, new: jax.Array, order: tuple[int, ...], axes) -> jax.Array:
         new = jnp.transpose(new, order).astype(cache.dtype)  # [B, K, T, H] or [B, K, H, T]
-        at = (0, 0, *(start if i == 1 else 0 for i in order[2:]))
+        at = (0, 0, *(start - offset if i == 1 else 0 for i in order[2:]))
         return constrain(jax.lax.dynamic_update_slice(cache, new, at), axes[1:], rules)
 
     keys = write(keys, k, (0, 2, 1, 3), KEY_AXES)
@@ -236,29 +251,61 @@ def _cached_block(
         )  # [B, T, N, H]
     else:
         query_positions = start + jnp.arange(q.shape[1])  # [T]
-        key_slots = jnp.arange(keys.shape[2])  # [S]
-        mask = attention_mask(query_positions, key_slots, window=window)  # [1, 1, T, S]
-        if key_pad is not None:
-            mask = mask & (key_slots >= key_pad[:, None])[:, None, None, :]  # [B, 1, T, S]
-        out = _cached_attention(attn, q, keys, values, mask)
+
+        def mask(slots: jax.Array) -> jax.Array:  # [B or 1, 1, T, S] of the key slots [S]
+            allowed = attention_mask(query_positions, slots, window=window)
+            if key_pad is None:
+                return allowed
+            return allowed & (slots >= key_pad[:, None])[:, None, None, :]
+
+        own = (keys, values, mask(offset + jnp.arange(keys.shape[2])))
+        shared = None if prompt is None else (*prompt, mask(jnp.arange(offset)))
+        out = _cached_attention(attn, q, own, shared)
     x, _ = block.after_attention(x, attn.output(out))  # routing statistics: not for decoding
     return x, keys, values
 
 
 def _cached_attention(
-    attn: Any, q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array
+    attn: Any,
+    q: jax.Array,
+    own: tuple[jax.Array, jax.Array, jax.Array],
+    shared: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Queries q [B, T, N, H] against a layer's cache keys [B, K, S, H] and values [B, K, H, S]
-    (K key/value heads, each read by G = N / K query heads; with the key/value heads replicated
-    over tp, models.layers.expand_kv's N), under mask bool [B or 1, 1, T, S]: [B, T, N, H]. The
-    scores and the softmax in fp32, as the training path's kernels compute them."""
-    keys, values = attn.expand_kv(jnp.swapaxes(keys, 1, 2), jnp.moveaxis(values, 3, 1))
-    keys, values = jnp.swapaxes(keys, 1, 2), jnp.moveaxis(values, 1, 3)
+    under a mask bool [B or 1, 1, T, S] (`own`), and, with `shared`, against the prompt keys
+    [P, K, S_p, H] and values [P, K, H, S_p] each group of B / P consecutive rows reads, under
+    a mask [B or 1, 1, T, S_p]: one softmax over both. K key/value heads, each read by
+    G = N / K query heads (with the key/value heads replicated over tp, models.layers
+    .expand_kv's N). Returns [B, T, N, H]. The scores and the softmax in fp32, as the training
+    path's kernels compute them."""
+    keys, values, mask = own
+    keys, values = _expanded(attn, keys, values)
     batch, length, heads, dim = q.shape
     kv_heads = keys.shape[1]
     q = q.reshape(batch, length, kv_heads, heads // kv_heads, dim)  # [B, T, K, G, H]
     scores = jnp.einsum("btkgh,bksh->bkgts", q, keys, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, :, None], scores * attn.scale, -jnp.inf)  # [B, K, G, T, S]
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("bkgts,bkhs->btkgh", probs, values)  # [B, T, K, G, H]
+    if shared is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+        out = jnp.einsum("bkgts,bkhs->btkgh", probs, values)  # [B, T, K, G, H]
+        return out.reshape(batch, length, heads, dim)
+    prompt_keys, prompt_values, prompt_mask = shared
+    prompt_keys, prompt_values = _expanded(attn, prompt_keys, prompt_values)
+    prompts, slots = prompt_keys.shape[0], prompt_keys.shape[2]
+    grouped = q.reshape(prompts, batch // prompts, *q.shape[1:])  # [P, R, T, K, G, H]
+    on_prompt = jnp.einsum(
+        "prtkgh,pksh->prkgts", grouped, prompt_keys, preferred_element_type=jnp.float32
+    ).reshape(batch, *scores.shape[1:-1], slots)  # [B, K, G, T, S_p]
+    on_prompt = jnp.where(prompt_mask[:, :, None], on_prompt * attn.scale, -jnp.inf)
+    probs = jax.nn.softmax(jnp.concatenate([on_prompt, scores], axis=-1), axis=-1)
+    probs = probs.astype(values.dtype)
+    out = jnp.einsum("bkgts,bkhs->btkgh", probs[..., slots:], values)  # [B, T, K, G, H]
+    grouped = probs[..., :slots].reshape(prompts, batch // prompts, *probs.shape[1:-1], slots)
+    out = out + jnp.einsum("prkgts,pkhs->prtkgh", grouped, prompt_values).reshape(out.shape)
     return out.reshape(batch, length, heads, dim)
+
+
+def _expanded(attn: Any, keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Cache keys [B, K, S, H] and values [B, K, H, S] as the queries read them (expand_kv)."""
+    keys, values = attn.expand_kv(jnp.swapaxes(keys, 1, 2), jnp.moveaxis(values, 3, 1))
+    return jnp.swapaxes(keys, 1, 2), jnp.moveaxis(values, 1, 3)
