@@ -69,6 +69,25 @@ def test_auto_fills_the_cache_root_from_the_first_compile(tmp_path):
     assert any((tmp_path / "jax").iterdir())
 
 
+def test_a_dry_run_for_a_gpu_this_host_lacks_caches_nothing(tmp_path):
+    """plan.target: the programs compiled for the target never run here, and JAX cannot load
+    them back without its client (a warning at every later dry run): the cache is off, even
+    where $JAX_COMPILATION_CACHE_DIR turns JAX's own on."""
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax"), "JAX_PLATFORMS": "cpu"}
+    code = (
+        "from meshtrain.cli.train import configure_compilation_cache as c; "
+        "d = c('auto', deviceless=True); import jax; "
+        "jax.jit(lambda x: x * 2 + 1)(1.0).block_until_ready(); "
+        "print(d, jax.config.jax_enable_compilation_cache)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["None", "False"]
+    assert not (tmp_path / "jax").exists() or not any((tmp_path / "jax").iterdir())
+
+
 def test_the_cli_configures_both_before_jax_is_used(monkeypatch):
     """train_from_hydra sets the flags and the cache from the config before it joins the run
     (the first thing that touches a device)."""
@@ -78,7 +97,11 @@ def test_the_cli_configures_both_before_jax_is_used(monkeypatch):
         "configure_xla_gpu_flags",
         lambda on, gpu_target: calls.append(("flags", on, gpu_target)),
     )
-    monkeypatch.setattr(cli, "configure_compilation_cache", lambda d: calls.append(("cache", d)))
+    monkeypatch.setattr(
+        cli,
+        "configure_compilation_cache",
+        lambda d, deviceless: calls.append(("cache", d, deviceless)),
+    )
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(
@@ -87,7 +110,7 @@ def test_the_cli_configures_both_before_jax_is_used(monkeypatch):
         )
     with pytest.raises(ValueError, match="HydraConfig"):  # the run directory comes next
         cli.train_from_hydra(cfg)
-    assert calls == [("flags", False, False), ("cache", "/tmp/x")]
+    assert calls == [("flags", False, False), ("cache", "/tmp/x", False)]
 
 
 def test_defaults_are_appended_for_flags_the_user_did_not_set():

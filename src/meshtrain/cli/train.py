@@ -213,12 +213,14 @@ def compilation_cache_dir(
     return str(cache_dir(setting, "jax"))
 
 
-def configure_compilation_cache(setting: str | None) -> str | None:
+def configure_compilation_cache(setting: str | None, *, deviceless: bool = False) -> str | None:
     """Turns JAX's persistent compilation cache on in compilation_cache_dir(setting), or off;
     returns the directory. Must run before the first compile. Every compile is cached (JAX
     caches only those of 1 s or more by default: the initialisation programs of a small model
     would compile again at each launch), unless $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
-    sets another threshold."""
+    sets another threshold. `deviceless` (a dry run for plan.target, a GPU this host lacks):
+    off, since such programs never run here and JAX cannot load them back without the target's
+    client (it warns at every later dry run)."""
     import jax  # here, so that `--help` and `--cfg job` need no JAX
 
     directory = compilation_cache_dir(
@@ -226,8 +228,8 @@ def configure_compilation_cache(setting: str | None) -> str | None:
         env_dir=jax.config.jax_compilation_cache_dir,
         enabled=jax.config.jax_enable_compilation_cache,
     )
-    if directory is None:
-        if setting is None:
+    if directory is None or deviceless:
+        if setting is None or deviceless:
             jax.config.update("jax_enable_compilation_cache", False)
         return None
     jax.config.update("jax_enable_compilation_cache", True)
@@ -259,7 +261,9 @@ def train_from_hydra(cfg: DictConfig) -> None:
         configure_xla_gpu_flags(  # read when the backend starts
             config.training.xla_gpu_flags, gpu_target=config.plan.target is not None
         )
-        configure_compilation_cache(config.training.compilation_cache_dir)  # before any compile
+        configure_compilation_cache(  # before any compile
+            config.training.compilation_cache_dir, deviceless=config.plan.target is not None
+        )
         with shared_failures():
             # Before anything touches a JAX device; all processes agree on process 0's run dir.
             run_dir = join_run(config.distributed, Path(HydraConfig.get().runtime.output_dir))

@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from meshtrain.config.objective import ObjectiveConfig, generation_cycle
+from meshtrain.errors import ConfigError
 from meshtrain.inference.decoding import generation_program
 from meshtrain.models.abstract import AbstractModel, merge_model
 from meshtrain.parallel.arrays import global_array
@@ -124,9 +125,13 @@ class RolloutBatches:
             generation = state.get("generation")
             shape = (self.cfg.steps_per_generation, *self._global_shape)
             if generation is None or tuple(generation.shape) != shape:
-                raise ValueError(
-                    f"the position of step {step}, inside a generation, holds no rows of shape "
-                    f"{shape}"
+                saved = None if generation is None else list(generation.shape)
+                raise ConfigError(
+                    f"the checkpoint of step {step} lies inside a generation whose rows it holds "
+                    f"as {saved}; this run lays a generation out as {list(shape)} (the mesh, "
+                    "the batch and data.shared_prompt decide how many completions a row holds): "
+                    "resume with the mesh and batch of the run that saved it, or from a "
+                    "checkpoint at a generation's first step"
                 )
             self._generation = np.asarray(generation)
             self._generation_start = step - step % self.cycle
