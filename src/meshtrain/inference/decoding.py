@@ -3,14 +3,14 @@ cache (models.decode), the choice of each next token, and `Decoding`, the same s
 at a time for a caller that stops rows between stretches (the harness's stop strings).
 
 One compiled program per (batch size, rows a prompt, prompt length bucket, max_new_tokens,
-sampling kind): the prompts left-padded to the power of two (at least MIN_BUCKET tokens) of
-the longest, so that prompts of similar lengths share it; a prefill that fills the prompts'
+sampling kind): the prompts left-padded to the power of two (at least MIN_BUCKET tokens) of the
+longest, so that prompts of similar lengths share it; a prefill that fills the prompts'
 key/value cache; then a loop on the device of one-token decode steps that write into a cache of
-max_new_tokens positions a row and read both instead of rerunning the sequence, until every
-row has picked a stop id or max_new_tokens. A prompt decoded by several rows (`repeats`) is
-prefilled and held once. On a sharded model it runs under the parameters' mesh, the rows over the batch
-axes and the cache sharded like the layers' keys and values. The functions users call (text in,
-text out, and token ids) are meshtrain.inference.generate's.
+max_new_tokens positions a row and read both instead of rerunning the sequence, until every row
+has picked a stop id or max_new_tokens. A prompt decoded by several rows (`repeats`) is
+prefilled and held once. On a sharded model it runs under the parameters' mesh, the rows over
+the batch axes and the cache sharded like the layers' keys and values. The functions users call
+(text in, text out, and token ids) are meshtrain.inference.generate's.
 """
 
 from __future__ import annotations
