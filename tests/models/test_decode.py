@@ -1,7 +1,7 @@
 """The key/value cache path (models.decode): the logits of a padded prefill and of every decode
 step equal those of the model's own call on the same prefix, for each family (Gemma past its
 sliding window, with scan_layers too), also for a batch of left-padded prompts of different
-lengths; and on a [[4,2]] mesh the cache is sharded like the layers' keys and values (split over
+lengths and for rows that share a prompt's cache (generation's layout); and on a [[4,2]] mesh the cache is sharded like the layers' keys and values (split over
 tp, or replicated when tp exceeds the key/value heads)."""
 
 from __future__ import annotations
@@ -128,3 +128,37 @@ def test_on_a_mesh_the_cache_is_sharded_like_the_keys_and_values(kv_heads):
         for array in layers:
             assert array.sharding.is_equivalent_to(want, 4)
             assert {s.data.shape for s in array.addressable_shards} == {shapes[axes]}
+
+
+@pytest.mark.parametrize(("family", "scan_layers"), [("llama", False), ("gemma3", True)])
+def test_rows_that_share_a_prompt_read_its_cache_once_and_get_their_own_logits(
+    family, scan_layers, tmp_path
+):
+    """Generation's layout (decode_step's `prompt`): 2 prompts prefilled once, left-padded to
+    the bucket, each read by 2 rows that continue it differently, whose new tokens go to a
+    cache of their own; each row's logits are those of the model's call on its prefix alone
+    (Gemma's rows run past its 16-token window)."""
+    directory = tiny_hf.write_checkpoint(family, tmp_path / family)
+    model = meshtrain.load_hf(directory, scan_layers=scan_layers)
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, tiny_hf.VOCAB, (4, 32)).astype(np.int32)  # [B, T]
+    tokens[1, :PROMPT], tokens[3, :PROMPT] = tokens[0, :PROMPT], tokens[2, :PROMPT]
+    pad = BUCKET - PROMPT
+    padded = np.zeros((2, BUCKET), np.int32)  # [N, BUCKET]: the prompts after their padding
+    padded[:, pad:] = tokens[::2, :PROMPT]
+    logits, prompt = _prefill(
+        model, padded, np.int32(BUCKET), cache_length=BUCKET, pad=np.full(2, pad, np.int32)
+    )
+    steps = tokens.shape[1] - PROMPT
+    cache = decode.init_cache(model, 4, steps)  # the rows' own slots, BUCKET on
+    rows_pad = np.full(4, pad, np.int32)
+    rows = [np.repeat(np.asarray(logits), 2, axis=0)]  # [B, V] each
+    for i in range(steps - 1):
+        step_tokens = tokens[:, PROMPT + i : PROMPT + i + 1]  # [B, 1]
+        logits, cache = _step(model, step_tokens, np.int32(BUCKET + i), cache, rows_pad, prompt)
+        rows.append(np.asarray(logits))
+    for row in range(4):
+        full = np.asarray(model(tokens[row : row + 1]))[0]  # [T, V]
+        errs = [tiny_hf.relative_error(r[row], full[PROMPT - 1 + i]) for i, r in enumerate(rows)]
+        assert max(errs) <= CACHED_TOLERANCE, (row, errs)
+    assert not np.allclose(rows[-1][0], rows[-1][1])  # the rows of a group went their own ways
