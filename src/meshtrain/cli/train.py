@@ -223,14 +223,15 @@ def configure_compilation_cache(setting: str | None, *, deviceless: bool = False
     client (it warns at every later dry run)."""
     import jax  # here, so that `--help` and `--cfg job` need no JAX
 
+    if setting is None or deviceless:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
     directory = compilation_cache_dir(
         setting,
         env_dir=jax.config.jax_compilation_cache_dir,
         enabled=jax.config.jax_enable_compilation_cache,
     )
-    if directory is None or deviceless:
-        if setting is None or deviceless:
-            jax.config.update("jax_enable_compilation_cache", False)
+    if directory is None:  # auto, with JAX's own cache disabled
         return None
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", directory)

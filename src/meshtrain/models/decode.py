@@ -10,13 +10,12 @@ attention down to one key/value head, `scan_layers` and key/value heads replicat
 The cache holds, per layer, the rotated keys [B, K, S, H] and the values [B, K, H, S] of every
 position so far (`KVCache`), S = the positions it has room for, sharded like the keys and values
 of the layers (K over tp, or replicated where models.abstract.fit_kv_heads replicates them). The
-heads come before the positions, and each array keeps innermost the axis a
-decode step's attention product contracts (the keys' features against the query, the values'
-positions against the probabilities), so that both products read a layer's cache as it lies,
-with no transposed copy of the whole cache per step; each step writes its token's keys and
-values into the cache in place. Positions past the current one hold zeros or the keys of
-prompt padding; the causal mask keeps any query from reading them, and the next token overwrites
-them.
+heads come before the positions, and each array keeps innermost the axis a decode step's
+attention product contracts (the keys' features against the query, the values' positions
+against the probabilities), so that both products read a layer's cache as it lies, with no
+transposed copy of the whole cache per step; each step writes its token's keys and values into
+the cache in place. Positions past the current one hold zeros or the keys of prompt padding; the
+causal mask keeps any query from reading them, and the next token overwrites them.
 
 Generation keeps the prompts' keys and values apart from the new tokens': a prefill fills a
 cache of the prompts' slots, and the decode steps write into a cache of the slots after them
@@ -231,7 +230,7 @@ def _cached_block(
     S_p on."""
     attn, rules = block.attn, block.rules
     q, k, v = attn.queries_keys_values(block.attn_norm(x), sin, cos)  # [B, T, N|K, H]
-    offset = 0 if prompt is None else prompt[0].shape[2]  # the slot of the cache's first
+    offset = 0 if prompt is None else prompt[0].shape[2]  # the slot of the cache's position 0
 
     def write(cache: jax.Array, new: jax.Array, order: tuple[int, ...], axes) -> jax.Array:
         new = jnp.transpose(new, order).astype(cache.dtype)  # [B, K, T, H] or [B, K, H, T]

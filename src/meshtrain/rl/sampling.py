@@ -3,7 +3,7 @@ training rollouts (meshtrain.rl.rollouts) and an evaluation on held-out prompts
 (`ValidationRollouts`) both do.
 
 All the prompts of a call decode together as one batch on the training mesh (meshtrain.inference
-.generate's batched program: one prefill of each prompt, repeated for its
+.generate's batched program: one prefill of each prompt, held once and read by its
 objective.num_generations rows, then decode steps on the device until every row has stopped or
 objective.max_new_tokens), from the state's own sharded parameters (with LoRA, the
 base and its adapters; nothing is copied), the prompts padded to one width for the run (one

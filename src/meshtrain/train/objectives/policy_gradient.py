@@ -69,6 +69,11 @@ class Completions:
         index = jnp.maximum((segment_ids >> BRANCH_SHIFT) - 1, 0)
         return cls(jax.nn.one_hot(index, count, dtype=jnp.float32))
 
+    @property
+    def count(self) -> int:
+        """The completions of the rows: B · K."""
+        return self.one_hot.shape[0] * self.one_hot.shape[2]
+
     def sums(self, values: jax.Array) -> jax.Array:
         """values fp32 [B, T] → each completion's sum [B, K]."""
         return jnp.sum(self.one_hot * values[..., None], axis=1)
@@ -134,7 +139,7 @@ def loss_sum_and_count(
     if completions is None:
         completions = Completions.of_rows(None, mask.shape, 1)
     masked = losses * mask
-    count = jnp.asarray(completions.one_hot.shape[0] * completions.one_hot.shape[2], jnp.float32)
+    count = jnp.asarray(completions.count, jnp.float32)
     if cfg.loss_type == "grpo":
         per_completion = completions.sums(masked) / jnp.maximum(completions.sums(mask), 1.0)
         return jnp.sum(per_completion), count
@@ -204,7 +209,7 @@ class GroupRelative(Objective):
             name: jnp.sum(jax.lax.stop_gradient(part) * (mask if part.shape == mask.shape else 1.0))
             for name, part in parts.items()
         }
-        completions_count = jnp.asarray(mask.shape[0] * k, jnp.float32)
+        completions_count = jnp.asarray(completions.count, jnp.float32)
         sums = {"loss": loss, "count": count, "tokens": jnp.sum(mask)}
         sums |= {"completions": completions_count}
         sums |= metric_sums | {"entropy": jnp.sum(policy.entropy * mask)}
